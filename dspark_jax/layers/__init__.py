@@ -1,0 +1,1 @@
+"""Building blocks: norms, linear/embedding, rope, MLA, KDA, MoE, AttnRes."""

@@ -1,0 +1,37 @@
+"""Bias-free linear layers and embeddings, weights in torch layout `[out, in]`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.params import param
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T (+ b). `axes` names the (out, in) logical axes of W."""
+
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None],
+                 dtype, rngs: nnx.Rngs, bias: bool = False, scale: float = 0.02):
+        self.weight = param((out_features, in_features), dtype, axes, rngs, scale=scale)
+        self.bias = param((out_features,), dtype, (axes[0],), rngs, init="zeros") if bias else None
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        w = self.weight.get_value()
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        if self.bias is not None:
+            y = y + self.bias.get_value()
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = param((vocab_size, dim), dtype, ("vocab", "embed"), rngs, scale=1.0)
+
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.weight.get_value(), ids, axis=0)
+
+    def attend(self, x: jnp.ndarray) -> jnp.ndarray:
+        """Tied lm_head: logits = x @ E.T."""
+        w = self.weight.get_value()
+        return jnp.einsum("...d,vd->...v", x.astype(w.dtype), w)

@@ -1,0 +1,1 @@
+"""Targets (kimi_linear family, llama family) and the DSpark draft."""
