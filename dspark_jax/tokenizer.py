@@ -1,0 +1,295 @@
+"""Tokenizers and chat templates for target models, without transformers.
+
+Two kinds of model directory:
+- HF `tokenizer.json` (+ `tokenizer_config.json`): `Tokenizer`, backed by the `tokenizers` library
+  (SmolLM2 and other Llama-family targets).
+- tiktoken `tiktoken.model` (+ `tokenizer_config.json`): `KimiTokenizer` (Kimi-K2 / Kimi-Linear /
+  Kimi-K3 layout).
+Chat templates are rendered with jinja2 the way transformers does (sandboxed environment,
+trim_blocks, lstrip_blocks, `raise_exception`, `tojson`), so a model's own template gives the same
+prompt here as in transformers. `load_tokenizer(model_dir)` picks the class from the files present.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tiktoken
+import tokenizers
+from tiktoken.load import load_tiktoken_bpe
+
+Message = Mapping[str, Any]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def _token_content(token: Any) -> str | None:
+    """tokenizer_config.json writes special tokens either as strings or as AddedToken dicts."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+def _chat_template_source(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """A model's chat template: `tokenizer_config.json` or a separate `chat_template.jinja`."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    if template is None and (model_dir / "chat_template.jinja").exists():
+        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    return template
+
+
+class BaseTokenizer(abc.ABC):
+    """Text <-> ids plus the model's chat template and stop tokens."""
+
+    def __init__(self, chat_template: str | None, bos_token: str | None, eos_token: str | None):
+        self._template = compile_chat_template(chat_template) if chat_template else None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; special-token strings in it become their ids; nothing is added."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ...
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        ...
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        ...
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    @abc.abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation."""
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
+
+
+class Tokenizer(BaseTokenizer):
+    """An HF `tokenizer.json` directory (loaded with the `tokenizers` library)."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+            raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        super().__init__(_chat_template_source(model_dir, cfg), _token_content(cfg.get("bos_token")),
+                         _token_content(cfg.get("eos_token")))
+        self._model_eos_ids = _model_eos_ids(model_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        own = [self.token_to_id(self.eos_token)] if self.eos_token else []
+        return tuple(sorted({i for i in own + self._model_eos_ids if i is not None}))
+
+
+def _model_eos_ids(model_dir: Path) -> list[int]:
+    """eos ids declared by config.json / generation_config.json (int or list)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        cfg = _read_json(model_dir / name)
+        ids += _as_id_list(cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id")))
+    return ids
+
+
+# Kimi's tiktoken pre-tokenizer regex, `TikTokenTokenizer.pat_str` in Moonshot's
+# tokenization_kimi.py (the same string appears in the Kimi-K2, Kimi-Linear and Kimi-K3
+# snapshots; checked against copies in public repositories, e.g. troy12x/quasar-kimi).
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+# Kimi-K2's special tokens as offsets from the first special id (= number of BPE ranks,
+# 163584 in the real vocabulary): [BOS] 163584, [EOS] 163585, <|im_end|> 163586,
+# <|im_user|> 163587, <|im_assistant|> 163588, <|im_system|> 163594, <|im_middle|> 163601, ...
+# Source: `added_tokens_decoder` of moonshotai/Kimi-K2-Instruct tokenizer_config.json as quoted
+# in several public repositories (e.g. the special-token tables in openjiuwen's tiktoken counter
+# and in Kimi-K2 tiktoken->HF conversion scripts). Used only when a model directory has no
+# `added_tokens_decoder` of its own. Kimi-K3's tokenizer_config.json names this block differently
+# (<|end_of_msg|> 163586, <|open|> 163587, <|close|> 163588, <|sep|> 163589, ...) and uses another
+# chat format, so K3 relies on the `added_tokens_decoder` and chat template of its own directory.
+KIMI_K2_SPECIAL_OFFSETS: dict[str, int] = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<think>": 22,
+    "</think>": 23,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+KIMI_NUM_RESERVED_SPECIAL = 256
+
+# Kimi chat format (Kimi-K2 / Kimi-Linear), used when the model directory ships no template:
+# <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
+# <|im_assistant|>assistant<|im_middle|>  (no newlines between turns). Moonshot's own K2 template
+# also inserts a default system prompt and renders tools; a directory's template takes precedence.
+KIMI_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}<|im_user|>"
+    "{%- elif message.role == 'assistant' -%}<|im_assistant|>"
+    "{%- elif message.role in ('system', 'tool') -%}<|im_system|>"
+    "{%- else -%}{{ raise_exception('unsupported role: ' ~ message.role) }}"
+    "{%- endif -%}"
+    "{{ message.name or message.role }}<|im_middle|>{{ message.content }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+class KimiTokenizer(BaseTokenizer):
+    """Kimi's tiktoken BPE: `tiktoken.model` (base64 token + rank per line) + special tokens."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tiktoken.model"
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable tiktoken rank file ({e})") from None
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        self._special = kimi_special_tokens(len(ranks), cfg.get("added_tokens_decoder"))
+        self._special_ids = frozenset(self._special.values())
+        self._enc = tiktoken.Encoding(name=str(path), pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self._special)
+        template = _chat_template_source(model_dir, cfg) or KIMI_CHAT_TEMPLATE
+        super().__init__(template, _token_content(cfg.get("bos_token", "[BOS]")),
+                         _token_content(cfg.get("eos_token", "[EOS]")))
+        self._model_eos_ids = _model_eos_ids(model_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = [i for i in ids if not (skip_special_tokens and i in self._special_ids)]
+        return self._enc.decode(ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        try:
+            return self._enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        # <|im_end|> closes every chat turn, so it stops generation too (K2's chat eos).
+        names = [self.eos_token, "<|im_end|>"]
+        ids = [self._special.get(n) for n in names if n] + self._model_eos_ids
+        return tuple(sorted({i for i in ids if i is not None}))
+
+
+def kimi_special_tokens(num_ranks: int, added_tokens_decoder: Mapping[str, Any] | None) -> dict[str, int]:
+    """Special-token map: the config's `added_tokens_decoder` or the K2 defaults, with every
+    unnamed id of the reserved block [num_ranks, num_ranks + 256) as `<|reserved_token_{id}|>`."""
+    if added_tokens_decoder:
+        named = {_token_content(v): int(k) for k, v in added_tokens_decoder.items()}
+    else:
+        named = {name: num_ranks + off for name, off in KIMI_K2_SPECIAL_OFFSETS.items()}
+    used = set(named.values())
+    for i in range(num_ranks, num_ranks + KIMI_NUM_RESERVED_SPECIAL):
+        if i not in used:
+            named[f"<|reserved_token_{i}|>"] = i
+    return named
+
+
+def load_tokenizer(model_dir: str | Path) -> BaseTokenizer:
+    """The tokenizer of a model directory, chosen by the files present."""
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").exists():
+        return Tokenizer(model_dir)
+    if (model_dir / "tiktoken.model").exists():
+        return KimiTokenizer(model_dir)
+    raise FileNotFoundError(f"{model_dir}: no tokenizer.json or tiktoken.model")

@@ -1,0 +1,340 @@
+"""GGUF -> HF conversion, the SmolLM2 preset, and the HF / Kimi tokenizers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from tokenizers import pre_tokenizers
+
+from dspark_jax import presets
+from dspark_jax.checkpoint.gguf import GGUFError, convert_gguf
+from dspark_jax.tokenizer import KimiTokenizer, Tokenizer, kimi_special_tokens, load_tokenizer
+
+# ---------------------------------------------------------------------------------------------
+# A tiny synthetic llama GGUF, written the way llama.cpp's converter writes one.
+
+TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48)
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w"]
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reference: the q/k row permutation of llama.cpp's convert_hf_to_gguf (HF -> GGUF)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_tokens() -> list[str]:
+    merged = [m.replace(" ", "") for m in TINY_MERGES]
+    return TINY_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + merged
+
+
+def tiny_hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random HF-layout weights (float32) for the tiny config, untied lm_head."""
+    rng = np.random.default_rng(seed)
+    h, ffn, hd, vocab = TINY["hidden"], TINY["ffn"], TINY["head_dim"], len(tiny_tokens())
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,),
+              "lm_head.weight": (vocab, h)}
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (TINY["heads"] * hd, h),
+                   p + "self_attn.k_proj.weight": (TINY["kv_heads"] * hd, h),
+                   p + "self_attn.v_proj.weight": (TINY["kv_heads"] * hd, h),
+                   p + "self_attn.o_proj.weight": (h, TINY["heads"] * hd),
+                   p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                   p + "mlp.down_proj.weight": (h, ffn)}
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+
+def gguf_name(hf: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    layer, module = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
+    short = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}[module]
+    return f"blk.{layer}.{short}.weight"
+
+
+def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], tokenizer_model: str = "gpt2") -> Path:
+    tokens = tiny_tokens()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(TINY["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(TINY["hidden"])
+    w.add_feed_forward_length(TINY["ffn"])
+    w.add_head_count(TINY["heads"])
+    w.add_head_count_kv(TINY["kv_heads"])
+    w.add_rope_dimension_count(TINY["head_dim"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
+    w.add_token_merges(TINY_MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TINY_TEMPLATE)
+    for name, arr in weights.items():
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, TINY["heads"])
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, TINY["kv_heads"])
+        w.add_tensor(gguf_name(name), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    weights = tiny_hf_weights()
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", weights), weights
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_tiny_gguf_converts_back_to_hf_layout_exactly(tiny_gguf, tmp_path: Path, dtype: str) -> None:
+    src, weights = tiny_gguf
+    out = convert_gguf(src, tmp_path / "hf", dtype=dtype)
+    got = safetensors.numpy.load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(weights)
+    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    for name, want in weights.items():
+        assert got[name].dtype == np_dtype, name
+        np.testing.assert_array_equal(got[name], want.astype(np_dtype), err_msg=name)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (2, 32, 48)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 8)
+    assert cfg["vocab_size"] == len(tiny_tokens()) and cfg["tie_word_embeddings"] is False
+    assert (cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]) == (1e-5, 10000.0, 256)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    assert cfg["torch_dtype"] == {"f32": "float32", "bf16": "bfloat16"}[dtype]
+
+
+def test_tiny_gguf_tokenizer(tiny_gguf, tmp_path: Path) -> None:
+    out = convert_gguf(tiny_gguf[0], tmp_path / "hf")
+    tok = load_tokenizer(out)
+    assert isinstance(tok, Tokenizer)
+    tokens = tiny_tokens()
+    assert tok.encode("hello") == [tokens.index("hello")]
+    assert tok.encode("<|im_end|>hello world") == [2, tokens.index("hello"), tokens.index("Ġw"),
+                                                   *[tokens.index(c) for c in "orld"]]
+    assert tok.decode(tok.encode("hello world 42")) == "hello world 42"
+    assert tok.encode("42") == [tokens.index("4"), tokens.index("2")]  # smollm splits digits
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: clear errors naming the file, nothing left behind.
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_truncated_gguf_is_reported_with_its_name(tiny_gguf, tmp_path: Path) -> None:
+    data = tiny_gguf[0].read_bytes()
+    for cut in (10, len(data) // 2, len(data) - 1):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match=str(bad)):
+            convert_gguf(bad, tmp_path / "out")
+        assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_not_a_gguf_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(GGUFError, match=str(bad)):
+        convert_gguf(bad, tmp_path / "out")
+    with pytest.raises(GGUFError, match="no such file"):
+        convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+
+
+def test_non_empty_destination_is_refused(tiny_gguf, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        convert_gguf(tiny_gguf[0], dst)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"] and _leftovers(tmp_path) == []
+
+
+def test_failure_mid_conversion_leaves_nothing(tmp_path: Path) -> None:
+    src = write_tiny_gguf(tmp_path / "spm.gguf", tiny_hf_weights(), tokenizer_model="llama")
+    with pytest.raises(GGUFError, match=f"{src}.*tokenizer model 'llama'"):
+        convert_gguf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct (preset: pip package -> GGUF -> HF directory), converted once.
+
+SYSTEM_USER = [{"role": "system", "content": "You are a helpful assistant."},
+               {"role": "user", "content": "What is the capital of France?"}]
+SMOLLM2_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                  "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+TEXTS = ["Hello world! 123", "The capital of France is", "Café déjà vu.", "  multiple   spaces\n\ttabs",
+         "日本語のテキスト 😀 naïve façade", "x = [1, 22, 333]\nprint(x)", SMOLLM2_PROMPT]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by all xdist workers; the preset's file lock serialises them
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSPARK_CACHE", str(root / "dspark_cache"))
+        return presets.resolve_model_path("smollm2-135m")
+
+
+def test_smollm2_checkpoint_is_sane(smollm2_dir: Path) -> None:
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert (cfg["vocab_size"], cfg["tie_word_embeddings"], cfg["rope_theta"]) == (49152, True, 100000.0)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["torch_dtype"]) == (1, 2, "float32")
+    with safetensors.safe_open(smollm2_dir / "model.safetensors", framework="numpy") as f:
+        names = set(f.keys())
+        assert len(names) == 2 + 30 * 9 and "lm_head.weight" not in names
+        assert f.get_slice("model.layers.0.self_attn.q_proj.weight").get_shape() == [576, 576]
+        assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
+        emb = f.get_tensor("model.embed_tokens.weight")
+    assert emb.shape == (49152, 576) and emb.dtype == np.float32 and np.isfinite(emb).all()
+
+
+def test_smollm2_preset_resolves_without_reconverting(smollm2_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DSPARK_CACHE", str(smollm2_dir.parent))
+    monkeypatch.setattr(presets, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    assert presets.resolve_model_path("smollm2-135m") == smollm2_dir
+    assert presets.resolve_model_path(smollm2_dir) == smollm2_dir
+
+
+def test_unknown_and_unavailable_presets(tmp_path: Path) -> None:
+    assert presets.resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a preset"):
+        presets.resolve_model_path("no-such-model")
+    with pytest.raises(NotImplementedError, match="smollm2-135m-dspark"):
+        presets.resolve_model_path("smollm2-135m-dspark")
+
+
+def test_smollm2_transformers_answers_paris(smollm2_dir: Path) -> None:
+    """HF's own Llama on our export answers correctly: tensor names and q/k un-permute are right."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.LlamaForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tok = load_tokenizer(smollm2_dir)
+    prompt = tok.encode(tok.apply_chat_template([SYSTEM_USER[1]]))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                             eos_token_id=list(tok.eos_token_ids), pad_token_id=tok.eos_token_ids[0])
+    answer = tok.decode(out[0, len(prompt):].tolist(), skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_smollm2_tokenizer_round_trip_and_chat(smollm2_dir: Path) -> None:
+    tok = load_tokenizer(smollm2_dir)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    # Ids published for SmolLM2's HF tokenizer (digits split one by one, byte-level BPE).
+    assert tok.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
+    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tok.apply_chat_template(SYSTEM_USER, add_generation_prompt=True) == SMOLLM2_PROMPT
+    assert tok.encode(SMOLLM2_PROMPT)[:3] == [1, 9690, 198]  # <|im_start|> system \n
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), 49152)
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    ours = load_tokenizer(smollm2_dir)
+    for text in TEXTS:
+        assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text), text
+    assert hf.apply_chat_template(SYSTEM_USER, add_generation_prompt=True, tokenize=False) == SMOLLM2_PROMPT
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi tiktoken tokenizer (a tiny rank file; Kimi's own is not downloadable here).
+
+KIMI_MERGES = [b"he", b"ll", b"hell", b"hello", b" w"]
+KIMI_NUM_RANKS = 256 + len(KIMI_MERGES)
+KIMI_PROMPT = ("<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>"
+               "<|im_user|>user<|im_middle|>What is the capital of France?<|im_end|>"
+               "<|im_assistant|>assistant<|im_middle|>")
+
+
+def write_kimi_dir(path: Path, tokenizer_config: dict | None = None) -> Path:
+    path.mkdir()
+    ranked = [bytes([b]) for b in range(256)] + KIMI_MERGES
+    lines = [f"{base64.b64encode(tok).decode()} {rank}" for rank, tok in enumerate(ranked)]
+    (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    if tokenizer_config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def test_kimi_k2_special_token_ids() -> None:
+    ids = kimi_special_tokens(163584, None)
+    assert {k: ids[k] for k in ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                                "<|im_system|>", "<|im_middle|>", "[PAD]")} == {
+        "[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587,
+        "<|im_assistant|>": 163588, "<|im_system|>": 163594, "<|im_middle|>": 163601, "[PAD]": 163839}
+    assert sorted(ids.values()) == list(range(163584, 163840))
+
+
+def test_kimi_chat_format_and_round_trip(tmp_path: Path) -> None:
+    tok = load_tokenizer(write_kimi_dir(tmp_path / "kimi"))
+    assert isinstance(tok, KimiTokenizer)
+    assert tok.apply_chat_template(SYSTEM_USER, add_generation_prompt=True) == KIMI_PROMPT
+    assert tok.apply_chat_template(SYSTEM_USER[1:], add_generation_prompt=False) == \
+        "<|im_user|>user<|im_middle|>What is the capital of France?<|im_end|>"
+    n = KIMI_NUM_RANKS
+    ids = tok.encode(KIMI_PROMPT)
+    assert ids[0] == n + 10 and ids[-1] == n + 17  # <|im_system|> ... <|im_middle|>
+    assert ids.count(n + 2) == 2 and ids.count(n + 3) == 1 and ids.count(n + 4) == 1
+    assert tok.decode(ids) == KIMI_PROMPT
+    assert tok.decode(ids, skip_special_tokens=True) == (
+        "systemYou are a helpful assistant.userWhat is the capital of France?assistant")
+    assert tok.encode("hello world") == [n - 2, n - 1, *b"orld"]
+    for text in ["中文English混排test测试123", "naïve 😀 façade", "I'm can't\n\n  x", "12345"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (n, (n + 1, n + 2), n + 256)
+
+
+def test_kimi_directory_config_takes_precedence(tmp_path: Path) -> None:
+    n = KIMI_NUM_RANKS
+    cfg = {"added_tokens_decoder": {str(n): {"content": "[BOS]"}, str(n + 1): {"content": "[EOS]"},
+                                    str(n + 2): {"content": "<|end_of_msg|>"}},
+           "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"},
+           "chat_template": "{% for m in messages %}{{ m.content }}<|end_of_msg|>{% endfor %}"}
+    tok = load_tokenizer(write_kimi_dir(tmp_path / "k3", cfg))
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == "hello<|end_of_msg|>"
+    assert tok.encode("hello<|end_of_msg|>") == [n - 2, n + 2]
+    assert tok.token_to_id("<|im_end|>") is None and tok.eos_token_ids == (n + 1,)
+
+
+def test_load_tokenizer_needs_tokenizer_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json or tiktoken.model"):
+        load_tokenizer(tmp_path)
