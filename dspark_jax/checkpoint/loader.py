@@ -1,0 +1,194 @@
+"""Streaming HF-safetensors -> NNX loader shared by every model family.
+
+The module is built abstractly (`nnx.eval_shape`): its Params give, per weight, the torch name
+(the NNX path), shape, dtype and logical axes. Everything is checked against the safetensors
+headers first (no tensor data read), so a bad checkpoint fails before any device work and the
+error lists every offending tensor with its file. Then tensors are read one at a time and placed
+straight into their sharding, so host memory peaks at about one tensor and no device ever holds
+an unsharded copy of a sharded weight.
+
+Stacked params: a param whose path contains `experts.` followed by a non-integer component
+(`...block_sparse_moe.experts.w1.weight`, shape [E, ...]) is filled from the per-expert tensors
+`...experts.{e}.w1.weight` (or from one tensor of the stacked name when the checkpoint has it),
+each device's slice of the expert axis built from only the experts it holds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import params as params_lib
+from dspark_jax import sharding as sharding_lib
+from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
+
+DtypePolicy = Literal["strict", "cast"]
+Progress = Callable[[int, int, str], None]
+
+# `experts.` followed by something that is not an expert index: a stacked [E, ...] param
+_STACKED = re.compile(r"(?:^|\.)experts\.(?!\d+(?:\.|$))")
+_MAX_LISTED = 12
+
+
+@dataclass(frozen=True)
+class _Plan:
+    path: str                      # NNX path of the param
+    names: tuple[str, ...]         # checkpoint tensors: one, or one per expert (stacked)
+    stacked: bool                  # True: names[e] fills row e of the param
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    axes: tuple[str | None, ...]
+
+
+def expert_tensor_name(stacked_name: str, expert: int) -> str:
+    """`a.experts.w1.weight`, 3 -> `a.experts.3.w1.weight`."""
+    m = _STACKED.search(stacked_name)
+    if m is None:
+        raise ValueError(f"{stacked_name!r} is not a stacked experts name")
+    return f"{stacked_name[:m.end()]}{expert}.{stacked_name[m.end():]}"
+
+
+def _renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Callable[[str], str]:
+    if rename is None:
+        return lambda p: p
+    if isinstance(rename, Mapping):
+        return lambda p: rename.get(p, p)
+    return rename
+
+
+def _file(ckpt: ShardedCheckpoint, name: str) -> Path:
+    return ckpt.dir / ckpt.where[name]
+
+
+def _dtype_problem(ckpt: ShardedCheckpoint, name: str, want: np.dtype, policy: DtypePolicy) -> str | None:
+    info = ckpt.info(name)
+    got = info.np_dtype
+    if got == want:
+        return None
+    floats, want_float = jnp.issubdtype(got, jnp.floating), jnp.issubdtype(want, jnp.floating)
+    if policy == "cast" and floats and want_float:
+        return None
+    hint = " (dtype_policy='cast' converts floats)" if policy == "strict" and floats and want_float else ""
+    return f"{_file(ckpt, name)}: tensor {name!r} is {info.dtype}, the model expects {want.name}{hint}"
+
+
+def _check(ckpt: ShardedCheckpoint, name: str, shape: tuple[int, ...], dtype: np.dtype,
+           policy: DtypePolicy, path: str) -> list[str]:
+    if name not in ckpt:
+        return [f"{ckpt.dir}: missing tensor {name!r} (parameter {path!r}, shape {list(shape)} {dtype.name})"]
+    got = ckpt.info(name).shape
+    if got != shape:
+        return [f"{_file(ckpt, name)}: tensor {name!r} has shape {list(got)}, the model expects {list(shape)}"]
+    problem = _dtype_problem(ckpt, name, dtype, policy)
+    return [problem] if problem else []
+
+
+def _plan(flat: Mapping[str, nnx.Param], ckpt: ShardedCheckpoint, to_name: Callable[[str], str],
+          policy: DtypePolicy) -> tuple[list[_Plan], list[str]]:
+    plans, errors = [], []
+    for path, p in flat.items():
+        value = p.get_value()
+        shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+        axes = params_lib.logical_axes(p)
+        name = to_name(path)
+        if _STACKED.search(name) and name not in ckpt:
+            names = tuple(expert_tensor_name(name, e) for e in range(shape[0]))
+            for n in names:
+                errors += _check(ckpt, n, shape[1:], dtype, policy, path)
+            plans.append(_Plan(path, names, True, shape, dtype, axes))
+        else:
+            errors += _check(ckpt, name, shape, dtype, policy, path)
+            plans.append(_Plan(path, (name,), False, shape, dtype, axes))
+    return plans, errors
+
+
+def _read(ckpt: ShardedCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
+    arr = ckpt.read(name)
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def _stacked_array(ckpt: ShardedCheckpoint, plan: _Plan, sharding: NamedSharding) -> jax.Array:
+    """Build each device's slice from only the experts it holds; replicas of a slice are copied
+    device to device instead of re-read."""
+    placed: dict[tuple, jax.Array] = {}
+    singles = []
+    for device, index in sharding.addressable_devices_indices_map(plan.shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, plan.shape))
+        if key not in placed:
+            lo, hi, _ = key[0]
+            host = np.empty((hi - lo,) + plan.shape[1:], plan.dtype)
+            for row, e in enumerate(range(lo, hi)):
+                host[row] = _read(ckpt, plan.names[e], plan.dtype)
+            placed[key] = jax.device_put(host[(slice(None),) + tuple(index[1:])], device)
+            singles.append(placed[key])
+        else:
+            singles.append(jax.device_put(placed[key], device))
+    return jax.make_array_from_single_device_arrays(plan.shape, sharding, singles)
+
+
+def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str | Path, *,
+               mesh: Mesh | None = None,
+               rename: Callable[[str], str] | Mapping[str, str] | None = None,
+               prefix: str = "",
+               dtype_policy: DtypePolicy = "strict",
+               ignore: Iterable[str] = (),
+               progress: Progress | None = None) -> nnx.Module:
+    """Return `model` populated from the HF safetensors checkpoint in `checkpoint_dir`.
+
+    `model` is an abstract module (`nnx.eval_shape(ctor)`; a concrete one works too, only its
+    shapes, dtypes and axes are read) or a zero-argument constructor. The tensor for a param is
+    `prefix + rename(path)`. Checkpoint tensors that no param consumes are an error unless one of
+    the `ignore` regexes matches them (`re.search`). `dtype_policy="cast"` converts float tensors
+    to the param dtype; "strict" requires equal dtypes. `mesh` defaults to one device.
+    Raises `CheckpointError` naming every offending tensor and its file.
+    """
+    if dtype_policy not in ("strict", "cast"):
+        raise ValueError(f"dtype_policy must be 'strict' or 'cast', got {dtype_policy!r}")
+    if not isinstance(model, nnx.Module):
+        model = nnx.eval_shape(model)
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.devices()[:1])
+    ckpt = ShardedCheckpoint(checkpoint_dir)
+    graphdef, state = nnx.split(model)
+    rename_fn = _renamer(rename)
+
+    flat = params_lib.flat_params(state)
+    plans, errors = _plan(flat, ckpt, lambda p: prefix + rename_fn(p), dtype_policy)
+    consumed = {n for plan in plans for n in plan.names}
+    ignore_re = [re.compile(r) for r in ignore]
+    for name in ckpt.keys():
+        if name not in consumed and not any(r.search(name) for r in ignore_re):
+            errors.append(f"{_file(ckpt, name)}: unexpected tensor {name!r} (no parameter of the model "
+                          "reads it; pass an `ignore` pattern to skip it)")
+    if errors:
+        more = f"\n  ... and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else ""
+        raise CheckpointError(f"checkpoint {ckpt.dir} does not fit the model "
+                              f"({len(errors)} problem(s)):\n  " + "\n  ".join(errors[:_MAX_LISTED]) + more)
+
+    loaded: dict[str, jax.Array] = {}
+    for i, plan in enumerate(plans):
+        sharding = NamedSharding(mesh, sharding_lib.logical_to_spec(plan.axes, plan.shape, mesh))
+        if plan.stacked:
+            loaded[plan.path] = _stacked_array(ckpt, plan, sharding)
+        else:
+            loaded[plan.path] = jax.device_put(_read(ckpt, plan.names[0], plan.dtype), sharding)
+        if progress is not None:
+            progress(i + 1, len(plans), plan.path)
+
+    new_flat = []
+    for path, var in nnx.to_flat_state(state):
+        key = ".".join(str(k) for k in path)
+        if key in loaded:
+            var = var.replace(loaded[key])
+        elif isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            raise ValueError(f"{key}: abstract non-Param variable {type(var).__name__}; only Params "
+                             "are loaded from checkpoints")
+        new_flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(new_flat))

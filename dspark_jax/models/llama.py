@@ -1,0 +1,224 @@
+"""The `llama` family target: dense GQA decoder (Llama / SmolLM2), HF `LlamaForCausalLM` math.
+
+Pre-norm layers `h = x + attn(norm(x)); out = h + mlp(norm(h))` with RMSNorm, NeoX (half-split)
+RoPE on q and k, grouped-query attention and a SwiGLU MLP; tied or untied lm_head. Param paths are
+the HF tensor names (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`).
+
+The layer body takes the attention as a callable (`AttentionFn`), so the cacheless `forward`
+(tests, parity, the teacher), `forward_cached` (one step over the dense per-layer KV buffer
+`LlamaKVCache`) and `steps.py`'s paged-pool step run the same residual/MLP code. All attention
+math is in `gqa_attention`; a cache only decides where keys/values are written and read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dspark_jax.checkpoint.loader import Progress, load_state
+from dspark_jax.config import LlamaConfig
+from dspark_jax.layers.linear import Embed, Linear
+from dspark_jax.layers.norms import RMSNorm
+from dspark_jax.layers.rope import RotaryEmbedding
+from dspark_jax.models.outputs import ForwardOutput
+
+
+def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                  mask_BTS: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention; query head n reads kv head n // (N/K) (HF `repeat_kv`).
+
+    Scores and softmax in fp32, probabilities cast to v's dtype before the value matmul (as HF
+    eager attention). Fully masked rows (padding) give finite garbage, never NaN.
+    """
+    b, t, n, h = q_BTNH.shape
+    k = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * (h ** -0.5)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+class LlamaKVCache(NamedTuple):
+    """Dense KV buffer: slot s of row b holds the key/value of that row's token at position s.
+    `lengths[b]` = 1 + the highest position written for row b (0 for an empty row)."""
+    k: jax.Array            # [L, B, max_len, kv_heads, head_dim]
+    v: jax.Array            # [L, B, max_len, kv_heads, head_dim]
+    lengths: jax.Array      # [B] int32
+
+    @classmethod
+    def create(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "LlamaKVCache":
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+# attention(layer_idx, attn_module, normed_x_BTD) -> attention output [B,T,D]: how a layer's
+# attention gets its keys/values (this call's tokens, the dense cache, steps.py's paged pool)
+AttentionFn = Callable[[int, "LlamaAttention", jax.Array], jax.Array]
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(d, n * h, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(n * h, d, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.rope = RotaryEmbedding.plain(h, cfg.rope_theta, interleaved=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+
+    def project(self, x_BTD: jax.Array, positions_BT: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,T,N,H] and k [B,T,K,H] rotated at their positions, v [B,T,K,H]."""
+        b, t, _ = x_BTD.shape
+        q_BTNH = self.rope(self.q_proj(x_BTD).reshape(b, t, self.num_heads, self.head_dim), positions_BT)
+        k_BTKH = self.rope(self.k_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim), positions_BT)
+        v_BTKH = self.v_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+               mask_BTS: jax.Array) -> jax.Array:
+        """Attention over any key set (cache dtype may differ from the params'), then o_proj."""
+        b, t = q_BTNH.shape[:2]
+        out_BTNH = gqa_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS)
+        return self.o_proj(out_BTNH.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, i, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, i, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, d, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+        self.layer_idx = layer_idx
+        self.self_attn = LlamaAttention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = LlamaMLP(cfg, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, attention: AttentionFn) -> jax.Array:
+        h_BTD = x_BTD + attention(self.layer_idx, self.self_attn, self.input_layernorm(x_BTD))
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class LlamaBackbone(nnx.Module):
+    """HF `LlamaModel` (the `model.` prefix of every tensor but lm_head)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+
+class LlamaModel(nnx.Module):
+    """HF `LlamaForCausalLM`: `model.*` + `lm_head` (absent when embeddings are tied)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = LlamaBackbone(cfg, dtype=dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"),
+                                  dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.get_value().dtype
+
+    def logits(self, final_hidden: jax.Array) -> jax.Array:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.attend(final_hidden)
+        return self.lm_head(final_hidden)
+
+    def run(self, token_ids_BT: jax.Array, attention: AttentionFn,
+            aux_layer_ids: Sequence[int] = ()) -> ForwardOutput:
+        """Embeddings -> decoder layers (attention supplied by the caller) -> norm -> lm_head,
+        capturing the outputs of `aux_layer_ids` (concatenated in the order given)."""
+        bad = [i for i in aux_layer_ids if not 0 <= i < self.cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux_layer_ids {bad} outside 0..{self.cfg.num_hidden_layers - 1} "
+                             "(0-based decoder layer ids)")
+        x_BTD = self.model.embed_tokens(token_ids_BT)
+        captured = {}
+        for layer in self.model.layers:
+            x_BTD = layer(x_BTD, attention)
+            captured[layer.layer_idx] = x_BTD
+        aux = jnp.concatenate([captured[i] for i in aux_layer_ids], axis=-1) if aux_layer_ids else None
+        final_BTD = self.model.norm(x_BTD)
+        return ForwardOutput(self.logits(final_BTD), aux, final_BTD)
+
+    def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (),
+                positions_BS: jax.Array | None = None, valid_BS: jax.Array | None = None) -> ForwardOutput:
+        """Cacheless causal forward. Token j attends to tokens i <= j (by index) with
+        `valid_BS[i]`; `positions_BS` (default 0..S-1) only feeds RoPE, so left-padded rows work
+        with positions counted from their first real token."""
+        b, s = token_ids_BS.shape
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask_BSS = jnp.tril(jnp.ones((s, s), bool))[None]
+        if valid_BS is not None:
+            mask_BSS = mask_BSS & valid_BS[:, None, :].astype(bool)
+        mask_BSS = jnp.broadcast_to(mask_BSS, (b, s, s))
+
+        def attention(layer_idx: int, attn: LlamaAttention, x_BSD: jax.Array) -> jax.Array:
+            return attn.attend(*attn.project(x_BSD, positions_BS), mask_BSS)
+
+        return self.run(token_ids_BS, attention, aux_layer_ids)
+
+    __call__ = forward
+
+    def forward_cached(self, token_ids_BT: jax.Array, positions_BT: jax.Array, cache: LlamaKVCache,
+                       aux_layer_ids: Sequence[int] = ()) -> tuple[ForwardOutput, LlamaKVCache]:
+        """One step (prefill, decode or verify) on the dense cache: each token's K/V is written at
+        slot `positions_BT[b, t]` of its row and the token attends to every slot <= its position.
+        Rows may be ragged; a negative position marks a padded query (not written, output
+        garbage). Positions must stay below the buffer length (out-of-range writes are dropped)."""
+        b, max_len = cache.k.shape[1], cache.k.shape[2]
+        mask_BTM = (jnp.arange(max_len)[None, None, :] <= positions_BT[:, :, None]) & (positions_BT >= 0)[:, :, None]
+        slots_BT = jnp.where(positions_BT >= 0, positions_BT, max_len)   # out of range: dropped
+        rows_B1 = jnp.arange(b)[:, None]
+        k_LBMKH, v_LBMKH = cache.k, cache.v
+
+        def attention(layer_idx: int, attn: LlamaAttention, x_BTD: jax.Array) -> jax.Array:
+            nonlocal k_LBMKH, v_LBMKH
+            q_BTNH, k_BTKH, v_BTKH = attn.project(x_BTD, positions_BT)
+            k_LBMKH = k_LBMKH.at[layer_idx, rows_B1, slots_BT].set(k_BTKH.astype(k_LBMKH.dtype), mode="drop")
+            v_LBMKH = v_LBMKH.at[layer_idx, rows_B1, slots_BT].set(v_BTKH.astype(v_LBMKH.dtype), mode="drop")
+            return attn.attend(q_BTNH, k_LBMKH[layer_idx], v_LBMKH[layer_idx], mask_BTM)
+
+        out = self.run(token_ids_BT, attention, aux_layer_ids)
+        lengths_B = jnp.maximum(cache.lengths, jnp.max(positions_BT + 1, axis=1).astype(jnp.int32))
+        return out, LlamaKVCache(k_LBMKH, v_LBMKH, lengths_B)
+
+
+def _dtype_from_config(name: str):
+    return jnp.dtype(name.removeprefix("torch."))
+
+
+def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
+               progress: Progress | None = None) -> LlamaModel:
+    """Load an HF-layout Llama directory (config.json + safetensors). Params take the config's
+    `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
+    cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
+    param_dtype = _dtype_from_config(cfg.dtype) if dtype is None else jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=param_dtype, rngs=nnx.Rngs(0)))
+    # some exporters store a copy of the tied table as lm_head.weight; the model reads embed_tokens
+    ignore = [rf"^{re.escape(cfg.tensor_prefix)}lm_head\.weight$"] if cfg.tie_word_embeddings else []
+    return load_state(abstract, model_dir, mesh=mesh, prefix=cfg.tensor_prefix,
+                      dtype_policy="strict" if dtype is None else "cast", ignore=ignore,
+                      progress=progress)
