@@ -11,6 +11,9 @@ against `[out, in]`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-Init = Literal["normal", "ones", "zeros", "uniform_pm1"]
+Init = Literal["normal", "ones", "zeros", "uniform_pm1", "e8m0"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,38 @@ class WeightSpec:
             raise ValueError(f"shape {self.shape} and logical axes {self.axes} differ in rank")
 
 
+# Set while building abstract modules: weights skip the RNG (see `abstract`).
+_ABSTRACT = contextvars.ContextVar("dspark_abstract_init", default=False)
+
+
+@contextlib.contextmanager
+def _abstract_init():
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
+
+
+def abstract(ctor):
+    """`nnx.eval_shape(ctor)` without drawing random numbers: shapes, dtypes and axes only.
+    Drawing keys from `nnx.Rngs` while tracing costs time quadratic in the number of weights
+    (each key update inspects the trace), minutes for the full K3 target."""
+    with _abstract_init():
+        return nnx.eval_shape(ctor)
+
+
 def declare(spec: WeightSpec, rngs: nnx.Rngs) -> nnx.Param:
     """Create the parameter described by `spec`; its logical axes ride along as metadata."""
+    if _ABSTRACT.get():
+        return nnx.Param(jnp.zeros(spec.shape, spec.dtype), axes=tuple(spec.axes))
     if spec.init == "ones":
         value = jnp.ones(spec.shape, spec.dtype)
     elif spec.init == "zeros":
         value = jnp.zeros(spec.shape, spec.dtype)
+    elif spec.init == "e8m0":
+        # E8M0 exponent bytes (MXFP4 scales): the constant byte whose 2**(s-127) is nearest `scale`
+        value = jnp.full(spec.shape, min(max(127 + round(math.log2(spec.scale)), 1), 254), spec.dtype)
     elif spec.init == "uniform_pm1":
         value = jax.random.uniform(rngs.params(), spec.shape, jnp.float32, -1.0, 1.0).astype(spec.dtype)
     elif jnp.issubdtype(spec.dtype, jnp.integer):

@@ -111,7 +111,7 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Mod
 
 def create_sharded(ctor, mesh: Mesh, rules=LOGICAL_RULES):
     """Build `ctor()` directly into its sharding: nothing is materialised unsharded first."""
-    graphdef, abs_state = nnx.split(nnx.eval_shape(ctor))
+    graphdef, abs_state = nnx.split(params_lib.abstract(ctor))
     shardings = param_shardings(abs_state, mesh, rules)
     state = jax.jit(lambda: nnx.state(ctor()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)

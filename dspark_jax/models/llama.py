@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.loader import Progress, load_state
 from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear
@@ -216,7 +217,7 @@ def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
     `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
     cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
     param_dtype = _dtype_from_config(cfg.dtype) if dtype is None else jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=param_dtype, rngs=nnx.Rngs(0)))
+    abstract = params_lib.abstract(lambda: LlamaModel(cfg, dtype=param_dtype, rngs=nnx.Rngs(0)))
     # some exporters store a copy of the tied table as lm_head.weight; the model reads embed_tokens
     ignore = [rf"^{re.escape(cfg.tensor_prefix)}lm_head\.weight$"] if cfg.tie_word_embeddings else []
     return load_state(abstract, model_dir, mesh=mesh, prefix=cfg.tensor_prefix,
