@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -196,16 +195,6 @@ SMOLLM2_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                   "<|im_start|>assistant\n")
 TEXTS = ["Hello world! 123", "The capital of France is", "Café déjà vu.", "  multiple   spaces\n\ttabs",
          "日本語のテキスト 😀 naïve façade", "x = [1, 22, 333]\nprint(x)", SMOLLM2_PROMPT]
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by all xdist workers; the preset's file lock serialises them
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSPARK_CACHE", str(root / "dspark_cache"))
-        return presets.resolve_model_path("smollm2-135m")
 
 
 def test_smollm2_checkpoint_is_sane(smollm2_dir: Path) -> None:

@@ -1,0 +1,197 @@
+"""The DSpark block drafter `K3DSparkModel` (spec C; DESIGN §3.2).
+
+Sizes come from the draft's config.json, so the same code builds the 68-tensor Kimi-K3 draft and
+small drafts for small targets. The token embedding table and `lm_head` are the TARGET's and are
+passed in by the caller; they are not parameters of this module.
+
+Data flow (batch-first; B batch, N context tokens, T block width, D hidden, A = n_aux * D_target,
+L = kv_lora_rank + qk_rope_head_dim latent row width, V vocab, r markov rank):
+- `context_rows`: aux [B,N,A] -> ctx = rms(aux @ context_proj.T) -> every layer's latent rows
+  `[rms(c_kv) | RoPE(k_pe)]` at the rows' absolute positions, skipping input_layernorm -> [n_layers,B,N,L].
+- `block_hidden`: block embeddings [B,T,D] -> 5 pre-norm MLA + SwiGLU layers whose queries see the
+  visible context rows and the whole block (non-causal) -> final_norm -> [B,T,D].
+- `markov_bias` / `markov_sample_greedy`: low-rank bigram bias W1[prev] W2^T (fp32) added to the
+  target-lm_head logits, drafted left to right.
+- `confidence`: sigmoid(proj([h_k | W1[prev_k]]) + b), the predicted acceptance of draft k+1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import DraftConfig
+from dspark_jax.layers.linear import Linear
+from dspark_jax.layers.mla import MLAttention
+from dspark_jax.layers.mlp import GLUMLP
+from dspark_jax.layers.norms import RMSNorm, rms_norm
+
+
+class K3DSparkLayer(nnx.Module):
+    """Pre-norm MLA (YaRN, interleaved, non-causal block) + SwiGLU."""
+
+    def __init__(self, cfg: DraftConfig, *, dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.self_attn = MLAttention.for_draft(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = GLUMLP(h, cfg.intermediate_size, act="silu", dtype=dtype, rngs=rngs)
+
+    def __call__(self, h_BTD: jax.Array, positions_BT: jax.Array, kv_ctx_BSL: jax.Array,
+                 ctx_mask_BTS: jax.Array, *, absorbed: bool = False) -> jax.Array:
+        a_BTD = self.input_layernorm(h_BTD)
+        kv_blk_BTL = self.self_attn.latent_kv(a_BTD, positions_BT)
+        kv_BSL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BTL.dtype), kv_blk_BTL], axis=1)
+        b, t = positions_BT.shape
+        # every block row sees the whole block (non-causal, spec C.3) plus its visible context rows
+        mask_BTS = jnp.concatenate([ctx_mask_BTS, jnp.ones((b, t, t), bool)], axis=2)
+        h_BTD = h_BTD + self.self_attn.attend(a_BTD, positions_BT, kv_BSL, mask_BTS, absorbed=absorbed)
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class MarkovHead(nnx.Module):
+    """Low-rank bigram bias: bias(prev) = W1[prev] @ W2^T, both [V, r], computed in fp32."""
+
+    def __init__(self, vocab_size: int, rank: int, *, dtype, rngs: nnx.Rngs):
+        self.markov_w1 = Linear(rank, vocab_size, axes=("vocab", "markov"), dtype=dtype, rngs=rngs)
+        self.markov_w2 = Linear(rank, vocab_size, axes=("vocab", "markov"), dtype=dtype, rngs=rngs)
+
+    def prev_features(self, prev_ids: jax.Array) -> jax.Array:
+        """W1[prev] [..., r] in the param dtype (also the confidence head's Markov input)."""
+        return jnp.take(self.markov_w1.weight.get_value(), prev_ids, axis=0)
+
+    def __call__(self, prev_ids: jax.Array) -> jax.Array:
+        w2_VR = self.markov_w2.weight.get_value().astype(jnp.float32)
+        return jnp.einsum("...r,vr->...v", self.prev_features(prev_ids).astype(jnp.float32), w2_VR)
+
+
+class ConfidenceHead(nnx.Module):
+    """`proj`: Linear(D [+ r] -> 1) with bias on `[h_k | W1[prev_k]]`."""
+
+    def __init__(self, in_features: int, *, dtype, rngs: nnx.Rngs):
+        self.proj = Linear(in_features, 1, axes=("scalar", None), dtype=dtype, rngs=rngs, bias=True)
+
+
+class K3DSparkModel(nnx.Module):
+    """The DSpark draft. Param paths are the torch tensor names of spec C.2 (minus `embed_tokens`,
+    which is the target's table and only travels through the converters)."""
+
+    def __init__(self, cfg: DraftConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.context_proj = Linear(cfg.num_aux * cfg.target_hidden_size, h, axes=("embed", "aux"),
+                                   dtype=dtype, rngs=rngs)
+        self.context_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([K3DSparkLayer(cfg, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, dtype=dtype, rngs=rngs)
+                            if cfg.markov_rank > 0 else None)
+        with_markov = cfg.confidence_head_with_markov and self.markov_head is not None
+        self.confidence_with_markov = with_markov
+        self.confidence_head = (ConfidenceHead(h + (cfg.markov_rank if with_markov else 0),
+                                               dtype=dtype, rngs=rngs)
+                                if cfg.enable_confidence_head else None)
+
+    # -- context ------------------------------------------------------------------------------
+
+    def context_rows(self, aux_BNA: jax.Array, positions_BN: jax.Array) -> jax.Array:
+        """Latent rows [n_layers, B, N, L] that every draft layer attends to, from the target's
+        concatenated aux hidden states at absolute positions (no input_layernorm, no queries)."""
+        w_DA = self.context_proj.weight.get_value()
+        # the 35840-wide contraction accumulates in fp32 and rounds once, like a bf16 GEMM
+        proj_BND = jnp.einsum("bna,da->bnd", aux_BNA.astype(w_DA.dtype), w_DA,
+                              preferred_element_type=jnp.float32).astype(w_DA.dtype)
+        ctx_BND = rms_norm(proj_BND, self.context_norm.weight.get_value(), self.context_norm.eps)
+        return jnp.stack([layer.self_attn.latent_kv(ctx_BND, positions_BN) for layer in self.layers])
+
+    # -- block --------------------------------------------------------------------------------
+
+    def block_hidden(self, block_embeds_BTD: jax.Array, block_positions_BT: jax.Array,
+                     kv_ctx_LBSL: jax.Array, ctx_mask_BTS: jax.Array, *, absorbed: bool = False) -> jax.Array:
+        """Final-normed hidden states [B,T,D] of the block. Layer l's queries see the context rows
+        `kv_ctx_LBSL[l]` where `ctx_mask_BTS` is True, and every row of the block."""
+        h_BTD = block_embeds_BTD
+        for l, layer in enumerate(self.layers):
+            h_BTD = layer(h_BTD, block_positions_BT, kv_ctx_LBSL[l], ctx_mask_BTS, absorbed=absorbed)
+        return self.final_norm(h_BTD)
+
+    # -- Markov head --------------------------------------------------------------------------
+
+    def markov_bias(self, prev_ids: jax.Array) -> jax.Array:
+        """fp32 [..., V] bias for the token after `prev_ids` (zeros without a Markov head)."""
+        if self.markov_head is None:
+            return jnp.zeros(prev_ids.shape + (self.cfg.vocab_size,), jnp.float32)
+        return self.markov_head(prev_ids)
+
+    def markov_sample_greedy(self, base_logits_BTV: jax.Array, x0_B: jax.Array) -> jax.Array:
+        """Drafts [B,T] left to right: d_{k+1} = argmax(base_k + bias(prev_k)), prev_0 = x0,
+        prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling)."""
+        def step(prev_B, base_BV):
+            d_B = jnp.argmax(base_BV.astype(jnp.float32) + self.markov_bias(prev_B), axis=-1)
+            d_B = d_B.astype(prev_B.dtype)
+            return d_B, d_B
+
+        _, drafts_TB = jax.lax.scan(step, x0_B, jnp.swapaxes(base_logits_BTV, 0, 1))
+        return jnp.swapaxes(drafts_TB, 0, 1)
+
+    # -- confidence head ----------------------------------------------------------------------
+
+    def confidence_logit(self, h_BTD: jax.Array, prev_ids_BT: jax.Array) -> jax.Array:
+        """fp32 logit [B,T] of P(draft k+1 accepted | prefix accepted) (the training BCE input)."""
+        if self.confidence_head is None:
+            raise ValueError("this draft has no confidence head (enable_confidence_head is false)")
+        proj = self.confidence_head.proj
+        w_1F = proj.weight.get_value()
+        feats = [h_BTD.astype(w_1F.dtype)]
+        if self.confidence_with_markov:
+            feats.append(self.markov_head.prev_features(prev_ids_BT).astype(w_1F.dtype))
+        x_BTF = jnp.concatenate(feats, axis=-1)
+        logit_BT1 = jnp.einsum("btf,of->bto", x_BTF, w_1F, preferred_element_type=jnp.float32)
+        return (logit_BT1 + proj.bias.get_value().astype(jnp.float32))[..., 0]
+
+    def confidence(self, h_BTD: jax.Array, prev_ids_BT: jax.Array) -> jax.Array:
+        """sigmoid(confidence_logit) in fp32, [B,T]."""
+        return jax.nn.sigmoid(self.confidence_logit(h_BTD, prev_ids_BT))
+
+    # -- cacheless reference entry (DESIGN §3.2) ----------------------------------------------
+
+    def block_forward(self, aux_hidden, anchor_token, embed, lm_head, num_speculative_tokens: int = 7
+                      ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """One draft step without caches, for tests and parity checks.
+
+        aux_hidden [N, n_aux * D_target]: the target's aux rows at positions 0..N-1; the block
+        `[anchor, M x (T-1)]` sits at positions N..N+T-1 and sees all N context rows and itself.
+        `embed`, `lm_head`: the target's [V, D] tables (lm_head in torch layout). Returns
+        (base_logits [T,V] fp32, greedy Markov-biased draft_tokens [T], confidence [T] or None).
+        """
+        return _block_forward(self, jnp.asarray(aux_hidden)[None], jnp.asarray(anchor_token, jnp.int32).reshape(1),
+                              jnp.asarray(embed), jnp.asarray(lm_head), int(num_speculative_tokens))
+
+
+@nnx.jit(static_argnums=5)
+def _block_forward(draft: K3DSparkModel, aux_BNA: jax.Array, x0_B: jax.Array, embed_VD: jax.Array,
+                   lm_head_VD: jax.Array, t: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`K3DSparkModel.block_forward` for one sequence, compiled once per (N, T)."""
+    dtype = draft.context_proj.weight.get_value().dtype
+    n = aux_BNA.shape[1]
+    kv_ctx_LBNL = draft.context_rows(aux_BNA, jnp.arange(n, dtype=jnp.int32)[None])
+    ids_BT = jnp.concatenate([x0_B[:, None], jnp.full((1, t - 1), draft.cfg.mask_token_id, jnp.int32)], 1)
+    pos_BT = (n + jnp.arange(t, dtype=jnp.int32))[None]
+    h_BTD = draft.block_hidden(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), pos_BT, kv_ctx_LBNL,
+                               jnp.ones((1, t, n), bool))
+    base_BTV = jnp.einsum("btd,vd->btv", h_BTD.astype(lm_head_VD.dtype), lm_head_VD).astype(jnp.float32)
+    drafts_BT = draft.markov_sample_greedy(base_BTV, x0_B)
+    conf_BT = None
+    if draft.confidence_head is not None:
+        prev_BT = jnp.concatenate([x0_B[:, None], drafts_BT[:, :-1]], axis=1)
+        conf_BT = draft.confidence(h_BTD, prev_BT)[0]
+    return base_BTV[0], drafts_BT[0], conf_BT
+
+
+def load_draft(path, *, dtype=None, mesh=None) -> K3DSparkModel:
+    """A draft from a torch-layout or Orbax-layout directory (`checkpoint.draft_io.load_draft`)."""
+    from dspark_jax.checkpoint.draft_io import load_draft as load
+
+    return load(path, dtype=dtype, mesh=mesh)

@@ -1,0 +1,415 @@
+"""The DSpark draft (spec C) and its converters: byte-identical torch <-> Orbax round trips, numerics
+against an independent torch reference, the abstract full-size inventory, YaRN constants, and clear
+errors (with nothing left behind) on bad input."""
+
+import os
+
+# The sharded-load test wants 8 host devices; `make test` sets this, a bare `pytest` gets it here.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import orbax.checkpoint.experimental.v1 as ocp
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from dspark_jax import sharding
+from dspark_jax.checkpoint import draft_io
+from dspark_jax.checkpoint.draft_io import (convert_draft, draft_inventory, load_draft, orbax_to_torch,
+                                            torch_to_orbax)
+from dspark_jax.checkpoint.safetensors_io import CheckpointError
+from dspark_jax.config import ConfigError, DraftConfig, yarn_mscale
+from dspark_jax.layers.rope import yarn_correction_range
+from dspark_jax.params import flat_params
+from tests.torch_ref_dspark import DSparkDraftRef, yarn_tables
+
+REPO = Path(__file__).resolve().parents[1]
+K3_DRAFT_JSON = REPO / "dspark_jax" / "configs" / "kimi-k3-dspark.json"
+METADATA = {"torchspec_version": "0.1.0"}
+
+# Tiny draft: 3 aux layers of a 32-wide target, 2 layers, 4 MLA heads, rank-6 Markov head. The YaRN
+# ramp (low 1, high 3) falls inside the 4 rotary pairs and mscale != mscale_all_dim, so the
+# ramp, the cos/sin multiplier and the mscale² temperature all matter.
+TINY = {
+    "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+    "mla_use_nope": False, "mla_use_output_gate": False,
+    "vocab_size": 96, "rms_norm_eps": 1e-05, "max_position_embeddings": 65536, "rope_theta": 10000.0,
+    "num_target_layers": 3, "target_hidden_size": 32, "target_num_hidden_layers": 4,
+    "target_layer_ids": [0, 2, 3], "mask_token_id": 95,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "markov_rank": 6, "markov_head_type": "vanilla",
+    "enable_confidence_head": True, "confidence_head_with_markov": True,
+    "tie_word_embeddings": False, "draft_vocab_size": 96, "_torchspec_version": "0.1.0",
+    "torch_dtype": "float32",
+    "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096,
+                        "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                        "mscale_all_dim": 0.8},
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations: matrices ~ N(0, 1/fan_in), vectors ~ 1 ± 0.3, and a Markov head strong
+    enough (bias std ~ 1.2 vs base logits ~ 1) that it changes some greedy drafts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "markov" in name:
+                p.copy_(0.7 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def make_torch_draft(path: Path, cfg: dict = TINY, *, seed: int = 0, dtype=torch.float32,
+                     with_embed: bool = True) -> tuple[DSparkDraftRef, torch.Tensor]:
+    """A random draft saved the way TorchSpec saves one: `save_file` with the TorchSpec metadata."""
+    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
+    ref = DSparkDraftRef(cfg)
+    _randomize(ref, seed)
+    embed = torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=torch.Generator().manual_seed(seed + 1))
+    tensors = {k: v.to(dtype).contiguous() for k, v in ref.state_dict().items()}
+    if with_embed:
+        tensors["embed_tokens.weight"] = embed.to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata=METADATA)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return ref, embed
+
+
+def _leftovers(dst: Path) -> list[Path]:
+    return [p for p in dst.parent.glob(f".{dst.name}*")]
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) byte-identical round trip
+
+
+@pytest.mark.parametrize("with_embed", [True, False])
+def test_roundtrip_torch_orbax_torch_is_byte_identical(tmp_path, with_embed):
+    src, orb, back = tmp_path / "torch", tmp_path / "orbax", tmp_path / "back"
+    make_torch_draft(src, dtype=torch.bfloat16, with_embed=with_embed)
+    assert convert_draft(src, orb, check=True) == "torch->orbax"
+    assert convert_draft(orb, back, check=True) == "orbax->torch"
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert (back / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert sorted(p.name for p in back.iterdir()) == ["config.json", "model.safetensors"]
+    assert not _leftovers(orb) and not _leftovers(back)
+    # the Orbax side is a plain Orbax checkpoint of the tensors in their stored dtype
+    tree = ocp.load(orb / "params")
+    theirs = load_file(str(src / "model.safetensors"))
+    assert ("embed_tokens" in tree) == with_embed
+    w = np.asarray(tree["layers"]["1"]["self_attn"]["kv_b_proj"]["weight"])
+    assert w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(w.view(np.uint16),
+                                  theirs["layers.1.self_attn.kv_b_proj.weight"].view(torch.int16).numpy()
+                                  .view(np.uint16))
+
+
+def test_trained_state_in_orbax_exports_torchspec_file(tmp_path):
+    """An Orbax dir without the layout file, as training writes it (the NNX param state as a pure
+    dict of jax arrays under params/, config.json beside), exports with the order and metadata of
+    torch's save_file: the same bytes TorchSpec would have written."""
+    src, orb, back = tmp_path / "torch", tmp_path / "orbax", tmp_path / "back"
+    make_torch_draft(src, dtype=torch.bfloat16, with_embed=False)
+    state = nnx.to_pure_dict(nnx.state(load_draft(src), nnx.Param))
+    orb.mkdir()
+    ocp.save(orb / "params", state)
+    (orb / "config.json").write_bytes((src / "config.json").read_bytes())
+    orbax_to_torch(orb, back, check=True)
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) numerics against the torch reference
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    ref, embed = make_torch_draft(root / "torch", seed=3)
+    torch_to_orbax(root / "torch", root / "orbax")
+    return root, ref, embed
+
+
+def _inputs(seed: int, n: int = 5):
+    rng = np.random.default_rng(seed)
+    aux = rng.standard_normal((n, 3 * 32)).astype(np.float32)
+    lm_head = (rng.standard_normal((96, 32)) / np.sqrt(32)).astype(np.float32)
+    return aux, lm_head
+
+
+def test_block_forward_matches_torch_reference(tiny_f32):
+    root, ref, embed = tiny_f32
+    aux, lm_head = _inputs(0)
+    anchor, t = 17, 7
+    base_r, drafts_r, conf_r = ref.block_forward(torch.from_numpy(aux), anchor, embed, torch.from_numpy(lm_head), t)
+    # the greedy drafts are only comparable if no step is a near-tie
+    w1, w2 = ref.markov_head.markov_w1.weight.detach(), ref.markov_head.markov_w2.weight.detach()
+    prevs = [anchor] + drafts_r[:-1].tolist()
+    biased = torch.stack([base_r[k] + w1[p] @ w2.T for k, p in enumerate(prevs)])
+    top2 = torch.topk(biased, 2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+    # and the Markov bias must matter here, else the test would not see a broken head
+    assert (biased.argmax(-1) != base_r.argmax(-1)).any()
+
+    for path in (root / "torch", root / "orbax"):
+        draft = load_draft(path, dtype=jnp.float32)
+        base, drafts, conf = draft.block_forward(aux, anchor, embed.numpy(), lm_head, num_speculative_tokens=t)
+        # fp32 on both sides, differences are summation order only: measured max |diff| 1.7e-6 on
+        # logits up to 3.7 and 1.2e-7 on the confidences; ~10x headroom
+        np.testing.assert_allclose(np.asarray(base), base_r.numpy(), rtol=0, atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(drafts), drafts_r.numpy())
+        np.testing.assert_allclose(np.asarray(conf), conf_r.numpy(), rtol=0, atol=1e-6)
+
+
+def test_torch_and_orbax_loads_are_identical_and_dtype_cast(tiny_f32, tmp_path):
+    root, _, _ = tiny_f32
+    a = flat_params(load_draft(root / "torch"))
+    b = flat_params(load_draft(root / "orbax"))
+    assert a.keys() == b.keys() and "embed_tokens.weight" not in a
+    for k in a:
+        assert a[k].get_value().dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a[k].get_value()), np.asarray(b[k].get_value()))
+    # a bf16 checkpoint loads as bf16, or as float32 on request
+    make_torch_draft(tmp_path / "bf16", seed=3, dtype=torch.bfloat16)
+    assert load_draft(tmp_path / "bf16").context_proj.weight.get_value().dtype == jnp.bfloat16
+    up = load_draft(tmp_path / "bf16", dtype=jnp.float32).context_proj.weight.get_value()
+    assert up.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(up), np.asarray(a["context_proj.weight"].get_value()), rtol=1e-2)
+
+
+def test_sharded_load_matches_single_device(tiny_f32):
+    """load_draft places every tensor straight into its logical-axis sharding (heads / mlp /
+    vocab over `tensor`), and the sharded block pass equals the single-device one."""
+    root, _, embed = tiny_f32
+    n = len(jax.devices())
+    mesh = sharding.make_mesh(tensor=n, fsdp=1, data=1)
+    sharded = load_draft(root / "orbax", dtype=jnp.float32, mesh=mesh)
+    spec = sharded.layers[0].self_attn.q_b_proj.weight.get_value().sharding.spec
+    assert spec[0] == ("tensor" if n > 1 else None)   # 4 heads x 16 = 64 rows split over the devices
+    aux, lm_head = _inputs(2)
+    single = load_draft(root / "orbax", dtype=jnp.float32)
+    got = sharded.block_forward(aux, 5, embed.numpy(), lm_head, 7)
+    want = single.block_forward(aux, 5, embed.numpy(), lm_head, 7)
+    # same fp32 math, different partial-sum order across devices
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_batched_pieces_match_block_forward_and_mask_context(tiny_f32):
+    """context_rows + block_hidden + markov_sample_greedy + confidence (the batched API that
+    steps.py and training use) with a context mask equal block_forward on the visible prefix; the
+    absorbed and expanded MLA forms agree."""
+    root, _, embed = tiny_f32
+    draft = load_draft(root / "torch", dtype=jnp.float32)
+    aux, lm_head = _inputs(1, n=6)
+    t, visible = 4, 4
+
+    @nnx.jit(static_argnames="absorbed")
+    def pieces(m, aux_BNA, embed_VD, lm_head_VD, anchors_B, starts_B, absorbed):
+        b, n = aux_BNA.shape[:2]
+        kv_LBNL = m.context_rows(aux_BNA, jnp.broadcast_to(jnp.arange(n), (b, n)))
+        ids_BT = jnp.concatenate([anchors_B[:, None], jnp.full((b, t - 1), 95)], 1)
+        pos_BT = starts_B[:, None] + jnp.arange(t)
+        mask_BTS = jnp.broadcast_to(jnp.arange(n)[None, None, :] < starts_B[:, None, None], (b, t, n))
+        h_BTD = m.block_hidden(jnp.take(embed_VD, ids_BT, axis=0), pos_BT, kv_LBNL, mask_BTS, absorbed=absorbed)
+        base_BTV = jnp.einsum("btd,vd->btv", h_BTD, lm_head_VD)
+        drafts_BT = m.markov_sample_greedy(base_BTV, anchors_B)
+        conf_BT = m.confidence(h_BTD, jnp.concatenate([anchors_B[:, None], drafts_BT[:, :-1]], 1))
+        return kv_LBNL, h_BTD, base_BTV, drafts_BT, conf_BT
+
+    # sequence 0 sees all 6 context rows (block at 6..9); sequence 1 only rows 0..3 (block at 4..7)
+    args = (jnp.asarray(np.stack([aux, aux])), jnp.asarray(embed.numpy()), jnp.asarray(lm_head),
+            jnp.array([11, 29]), jnp.array([6, visible]))
+    kv, h, base, drafts, conf = pieces(draft, *args, absorbed=False)
+    _, h_abs, _, _, _ = pieces(draft, *args, absorbed=True)
+    assert kv.shape == (2, 2, 6, 16 + 8)
+    np.testing.assert_allclose(np.asarray(h_abs), np.asarray(h), rtol=1e-4, atol=1e-5)  # fp32 reassociation
+    base_ref, drafts_ref, conf_ref = draft.block_forward(aux[:visible], 29, embed.numpy(), lm_head, t)
+    np.testing.assert_allclose(np.asarray(base[1]), np.asarray(base_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(drafts[1]), np.asarray(drafts_ref))
+    np.testing.assert_allclose(np.asarray(conf[1]), np.asarray(conf_ref), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) full-size inventory, abstractly; (4) YaRN constants of the K3 draft
+
+
+def test_full_size_inventory_is_computed_abstractly():
+    cfg = DraftConfig.from_json(K3_DRAFT_JSON)
+    inv = draft_inventory(cfg)
+    assert len(inv.tensors) == 68
+    assert inv.num_params == 3_562_312_961
+    assert inv.header_size == 7_520
+    assert inv.file_bytes == 7_124_633_450 == 8 + 7_520 + 2 * 3_562_312_961
+    assert {t.dtype for t in inv.tensors} == {"BF16"}
+    shapes = {t.name: t.shape for t in inv.tensors}
+    assert shapes["embed_tokens.weight"] == (163840, 7168)
+    assert shapes["context_proj.weight"] == (7168, 35840)
+    assert shapes["confidence_head.proj.weight"] == (1, 7424) and shapes["confidence_head.proj.bias"] == (1,)
+    assert shapes["layers.4.self_attn.kv_b_proj.weight"] == (16384, 512)
+    assert shapes["layers.0.self_attn.o_proj.weight"] == (7168, 8192)
+    owned = draft_inventory(cfg, include_embed=False)
+    assert len(owned.tensors) == 67 and owned.num_params == 2_387_907_841
+    # nothing was materialised: the abstract model's params are shape/dtype structs
+    abstract = draft_io.abstract_draft(cfg)
+    assert all(isinstance(p.get_value(), jax.ShapeDtypeStruct) for p in flat_params(abstract).values())
+
+
+def test_k3_yarn_constants_reach_the_attention():
+    cfg = DraftConfig.from_json(K3_DRAFT_JSON)
+    attn = draft_io.abstract_draft(cfg).layers[0].self_attn
+    assert yarn_correction_range(cfg.rope, cfg.qk_rope_head_dim) == (15, 26)
+    assert yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) == pytest.approx(1.3465736, abs=1e-7)
+    assert attn.softmax_scale == pytest.approx(0.13086080, abs=1e-8)
+    assert attn.rope.interleaved and attn.rope.attention_factor == 1.0
+    # the frequency table equals the reference's, written independently from spec C.4
+    inv_freq, mult, scale, low, high = yarn_tables(json.loads(K3_DRAFT_JSON.read_text()))
+    assert (low, high) == (15, 26) and mult == 1.0 and scale == pytest.approx(attn.softmax_scale, rel=1e-12)
+    np.testing.assert_allclose(attn.rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) bad inputs
+
+
+def _rewrite(src: Path, edit) -> None:
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(src / "model.safetensors"), metadata=METADATA)
+
+
+def _edit_config(src: Path, **changes) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def _truncate(src: Path) -> None:
+    p = src / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+BAD_TORCH = {
+    "missing": (lambda s: _rewrite(s, lambda t: t.pop("layers.1.mlp.up_proj.weight")),
+                ["missing tensor 'layers.1.mlp.up_proj.weight'"]),
+    "extra": (lambda s: _rewrite(s, lambda t: t.update({"layers.0.self_attn.g_proj.weight": torch.zeros(32, 32)})),
+              ["unexpected tensor 'layers.0.self_attn.g_proj.weight' (no DSpark draft layer has it)"]),
+    "misshaped": (lambda s: _rewrite(s, lambda t: t.update({"context_proj.weight": torch.zeros(32, 64)})),
+                  ["'context_proj.weight' has shape [32, 64]", "len(target_layer_ids) * target_hidden_size = 96"]),
+    "mistyped": (lambda s: _rewrite(s, lambda t: t.update({"final_norm.weight": t["final_norm.weight"].half()})),
+                 ["'final_norm.weight' is F16", "torch_dtype 'float32'"]),
+    "truncated": (_truncate, ["model.safetensors", "truncated"]),
+    "config_hidden": (lambda s: _edit_config(s, hidden_size=40),
+                      ["config.json hidden_size = 40", "'context_norm.weight'"]),
+    "config_layers": (lambda s: _edit_config(s, num_hidden_layers=3),
+                      ["missing tensor 'layers.2.input_layernorm.weight'", "num_hidden_layers=3"]),
+    "config_key": (lambda s: _edit_config(s, kv_lora_rank=None), ["config.json", "'kv_lora_rank'"]),
+    "config_json": (lambda s: (s / "config.json").write_text("{not json"), ["config.json", "not valid JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TORCH))
+def test_bad_torch_input_is_named_and_leaves_nothing(tmp_path, case):
+    edit, needles = BAD_TORCH[case]
+    src, dst = tmp_path / "src", tmp_path / "out" / "dst"
+    make_torch_draft(src)
+    edit(src)
+    with pytest.raises((CheckpointError, ConfigError)) as e:
+        convert_draft(src, dst)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+    assert not dst.exists() and not _leftovers(dst)
+
+
+def test_bad_orbax_input_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    src, orb = tmp_path / "src", tmp_path / "orbax"
+    make_torch_draft(src)
+    torch_to_orbax(src, orb)
+    # config.json no longer fits the tensors recorded in the layout
+    good_cfg = (orb / "config.json").read_bytes()
+    _edit_config(orb, intermediate_size=64)
+    dst = tmp_path / "back"
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.mlp\.down_proj\.weight'.*intermediate_size = 64"):
+        convert_draft(orb, dst)
+    assert not dst.exists() and not _leftovers(dst)
+    # a failure while streaming (here: the 5th tensor read) removes the partly written output
+    (orb / "config.json").write_bytes(good_cfg)
+    calls, real_read = [], draft_io.OrbaxDraft.read
+
+    def failing_read(self, name):
+        calls.append(name)
+        if len(calls) == 5:
+            raise CheckpointError(f"injected failure reading {name!r}")
+        return real_read(self, name)
+
+    monkeypatch.setattr(draft_io.OrbaxDraft, "read", failing_read)
+    with pytest.raises(CheckpointError, match="injected failure"):
+        convert_draft(orb, dst)
+    assert len(calls) == 5 and not dst.exists() and not _leftovers(dst)
+    monkeypatch.undo()
+    # the Orbax data files are gone: named as an unreadable Orbax checkpoint
+    for f in (orb / "params").rglob("d/*"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match=r"orbax/params: not a readable Orbax checkpoint"):
+        convert_draft(orb, dst)
+    assert not dst.exists() and not _leftovers(dst)
+
+
+def test_check_catches_a_changed_tensor(tmp_path, monkeypatch):
+    """--check compares what was written against the source: one flipped bit fails the
+    conversion, names the tensor, and leaves nothing behind."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_torch_draft(src)
+    real_read = draft_io.OrbaxDraft.read
+
+    def flipped(self, name):
+        arr = real_read(self, name)
+        if name == "layers.0.mlp.down_proj.weight":
+            arr.view(np.uint8)[0] ^= 1
+        return arr
+
+    monkeypatch.setattr(draft_io.OrbaxDraft, "read", flipped)
+    with pytest.raises(CheckpointError, match=r"--check: tensor 'layers\.0\.mlp\.down_proj\.weight' differs"):
+        convert_draft(src, dst, check=True)
+    assert not dst.exists() and not _leftovers(dst)
+
+
+def test_nonempty_destination_is_refused_untouched(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_torch_draft(src)
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not an empty directory"):
+        convert_draft(src, dst)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"] and not _leftovers(dst)
+    # an empty directory is a fine destination
+    (dst / "keep.txt").unlink()
+    convert_draft(src, dst)
+    assert (dst / "params").is_dir()
+
+
+def test_cli_converts_both_ways_and_reports_errors(tmp_path):
+    src, orb, back = tmp_path / "src", tmp_path / "orbax", tmp_path / "back"
+    make_torch_draft(src, dtype=torch.bfloat16)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    run = lambda s, d: subprocess.run([sys.executable, "-m", "convert.draft", f"--src={s}", f"--dst={d}", "--check"],
+                                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    for s, d in ((src, orb), (orb, back)):
+        r = run(s, d)
+        assert r.returncode == 0, r.stderr
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    r = run(src, orb)                       # orb exists and is not empty
+    assert r.returncode == 1 and "not an empty directory" in r.stderr
