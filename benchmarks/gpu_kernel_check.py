@@ -1,0 +1,281 @@
+"""Pallas kernels vs their pure-JAX references: correctness and speed on a GPU.
+
+    python -m benchmarks.gpu_kernel_check              # defaults
+    python -m benchmarks.gpu_kernel_check --tune       # also time a few other tile settings
+    python -m benchmarks.gpu_kernel_check --only mla_paged,kda
+
+On a GPU (CUDA or ROCm) every kernel is compiled with the Triton lowering, compared with its
+reference on K3-like shapes (MLA: 64 / 96 heads, 512 + 64 latent, pages of 128, bf16 and fp8
+caches; KDA: 96 heads of 128; draft training: 64 heads, blocks of 7) and timed; one line per
+shape with both times and the kernel / reference ratio. Without a GPU it says so, lowers every
+kernel to Triton IR for CUDA and ROCm at those shapes (no GPU needed for that step), and compares
+kernels with references in interpret mode on tiny shapes. Exit status 1 on any mismatch or error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from dspark_jax.cache import FP8
+from dspark_jax.kernels.block_sparse import block_sparse_kernel, block_sparse_reference
+from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
+from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
+from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
+from dspark_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
+
+_ITERS = flags.DEFINE_integer("iters", 10, "timed calls per function (after a compile/warm-up call)")
+_TUNE = flags.DEFINE_boolean("tune", False, "also time alternative tile settings of each kernel")
+_ONLY = flags.DEFINE_list("only", [], "run only these groups: mla_paged, mla_prefill, kda, block_sparse")
+
+
+@dataclasses.dataclass
+class Case:
+    group: str
+    name: str
+    kernel: Callable          # args -> output pytree
+    reference: Callable
+    args: tuple
+    tol: float                # max |kernel - reference| / max |reference|, per output leaf
+    tune: dict[str, Callable] = dataclasses.field(default_factory=dict)   # label -> kernel variant
+
+
+# ---------------------------------------------------------------------------------------------
+# cases (tiny=True: CPU interpret mode: K3 head dims and the default tiles, few heads and keys)
+
+
+def _tol(tiny: bool, gpu_tol: float) -> float:
+    """f32 interpret mode on CPU differs from the reference only in summation order; on GPU the
+    bf16 / TF32 tile products differ from XLA's by a few bf16 ulps of the output scale."""
+    return 1e-4 if tiny else gpu_tol
+
+
+def _rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def mla_paged_cases(tiny: bool, interpret: bool) -> list[Case]:
+    if tiny:   # K3 row width and page, default tiles (4 key tiles per page), few heads / keys
+        configs = [(2, 8, 4, 512, 64, 128, 300, True), (2, 7, 2, 512, 64, 128, 200, False)]
+    else:   # (B, T, heads, C, R, page, context, causal): verify = T+1 = 8 rows, draft block = 7
+        configs = [(1, 8, 96, 512, 64, 128, 4096, True), (8, 8, 96, 512, 64, 128, 2048, True),
+                   (1, 8, 12, 512, 64, 128, 32768, True), (4, 7, 64, 512, 64, 128, 4096, False)]
+    cases = []
+    for b, t, n, c, r, page, ctx, causal in configs:
+        for cache in (jnp.bfloat16, FP8):
+            rng = np.random.default_rng(0)
+            per_seq = -(-(ctx + t) // page)
+            num_pages = b * per_seq + 1
+            table = jnp.asarray(rng.permutation(num_pages)[:b * per_seq].reshape(b, per_seq), jnp.int32)
+            pages = _rand(rng, (2, num_pages, page, c + r)).astype(cache)
+            lens = rng.integers(ctx // 2, ctx + 1, size=b)                  # ragged contexts
+            positions = jnp.asarray(lens[:, None] + np.arange(t)[None], jnp.int32)
+            q = jnp.bfloat16 if not tiny else jnp.float32
+            args = (_rand(rng, (b, t, n, c), q, 0.5), _rand(rng, (b, t, n, r), q, 0.5), pages, table, positions)
+            scale = (c + r) ** -0.5
+
+            def kern(**kw):
+                return jax.jit(lambda *a: mla_paged_kernel(*a, scale, causal=causal, row=1, interpret=interpret,
+                                                           **kw))
+
+            ref = jax.jit(lambda *a: mla_paged_reference(*a, scale, causal=causal, row=1))
+            tune = {f"bm{bm}_bk{bk}_w{w}": kern(block_m=bm, block_k=bk, num_warps=w)
+                    for bm, bk, w in ((16, 64, 8), (32, 32, 8), (32, 64, 8), (16, 32, 4))}
+            cases.append(Case("mla_paged", f"B{b} T{t} N{n} ctx{ctx} {'verify' if causal else 'block'} "
+                              f"{jnp.dtype(cache).name}", kern(), ref, args, _tol(tiny, 2e-2), tune))
+    return cases
+
+
+def mla_prefill_cases(tiny: bool, interpret: bool) -> list[Case]:
+    # (B, T new rows, S keys, heads, H, R, V): a fresh prompt, and a later chunk over a longer cache
+    configs = ([(2, 100, 160, 2, 128, 64, 128)] if tiny else
+               [(1, 2048, 2048, 96, 128, 64, 128), (1, 512, 4096, 64, 128, 64, 128)])
+    cases = []
+    for b, t, s, n, h, r, v in configs:
+        rng = np.random.default_rng(1)
+        dt = jnp.float32 if tiny else jnp.bfloat16
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (s - t), (b, t))
+        args = (_rand(rng, (b, t, n, h), dt), _rand(rng, (b, t, n, r), dt), _rand(rng, (b, s, n, h), dt),
+                _rand(rng, (b, s, r), dt), _rand(rng, (b, s, n, v), dt), positions)
+        scale = (h + r) ** -0.5
+
+        def kern(**kw):
+            return jax.jit(lambda *a: mla_prefill_kernel(*a, scale, interpret=interpret, **kw))
+
+        tune = {f"bq{bq}_bk{bk}_w{w}": kern(block_q=bq, block_k=bk, num_warps=w)
+                for bq, bk, w in ((64, 64, 8), (128, 32, 8), (32, 32, 4))}
+        cases.append(Case("mla_prefill", f"B{b} T{t} S{s} N{n}", kern(),
+                          jax.jit(lambda *a: mla_prefill_reference(*a, scale)), args, _tol(tiny, 2e-2), tune))
+    return cases
+
+
+def _kda_args(rng, b: int, t: int, h: int, d: int) -> tuple:
+    q = l2_normalize(_rand(rng, (b, t, h, d))) * d ** -0.5
+    k = l2_normalize(_rand(rng, (b, t, h, d)))
+    g = kda_gate(_rand(rng, (b, t, h, d)), jnp.log(jnp.linspace(1.0, 16.0, h)), _rand(rng, (h, d), scale=0.5),
+                 -5.0)                                                     # K3's bounded gate
+    return (q, k, _rand(rng, (b, t, h, d)), g, jax.nn.sigmoid(_rand(rng, (b, t, h))),
+            _rand(rng, (b, h, d, d), scale=0.1))
+
+
+def kda_cases(tiny: bool, interpret: bool) -> list[Case]:
+    h, d = (2, 128) if tiny else (96, 128)
+    rng = np.random.default_rng(2)
+    b, t = (1, 40) if tiny else (1, 4096)
+    args = _kda_args(rng, b, t, h, d)
+
+    def chunked(**kw):
+        return jax.jit(lambda *a: kda_chunked_kernel(*a, interpret=interpret, **kw)[:2])
+
+    cases = [Case("kda", f"chunked prefill B{b} T{t} H{h} K=V={d}", chunked(),
+                  jax.jit(lambda *a: kda_chunked(*a)[:2]), args, _tol(tiny, 2e-2),
+                  {f"bv{bv}_c{c}_w{w}": chunked(block_v=bv, chunk=c, num_warps=w)
+                   for bv, c, w in ((32, 16, 8), (64, 16, 4), (64, 32, 8))})]
+
+    def recurrent(**kw):
+        return jax.jit(lambda *a: kda_recurrent_kernel(*a, return_snapshots=True, interpret=interpret, **kw))
+
+    b = 2 if tiny else 8                                                    # verify: T+1 = 8 tokens
+    cases.append(Case("kda", f"verify+snapshots B{b} T8 H{h}", recurrent(),
+                      jax.jit(lambda *a: kda_recurrent(*a, return_snapshots=True)), _kda_args(rng, b, 8, h, d),
+                      _tol(tiny, 2e-2),
+                      {f"bv{bv}_w{w}": recurrent(block_v=bv, num_warps=w) for bv, w in ((32, 4), (128, 8))}))
+    return cases
+
+
+def block_sparse_cases(tiny: bool, interpret: bool) -> list[Case]:
+    b, a, t, s, n, h, r, v = (1, 10, 7, 64, 2, 128, 64, 128) if tiny else (1, 128, 7, 2048, 64, 128, 64, 128)
+    rng = np.random.default_rng(3)
+    dt = jnp.float32 if tiny else jnp.bfloat16
+    q = a * t
+    anchors = jnp.asarray(np.sort(rng.choice(s - t, size=(b, a), replace=False), axis=1), jnp.int32)
+    keep = jnp.asarray(rng.random((b, a)) < 0.9)
+    args = (_rand(rng, (b, q, n, h), dt), _rand(rng, (b, q, n, r), dt), _rand(rng, (b, s + q, n, h), dt),
+            _rand(rng, (b, s + q, r), dt), _rand(rng, (b, s + q, n, v), dt))
+    w = _rand(rng, (b, q, n, v))
+    scale = (h + r) ** -0.5
+    kern = lambda **kw: (lambda *x: block_sparse_kernel(*x, anchors, keep, scale, interpret=interpret, **kw))
+    ref = lambda *x: block_sparse_reference(*x, anchors, keep, scale)
+    grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w), argnums=tuple(range(5))))
+    tiles = ((64, 64, 8), (32, 32, 4), (128, 32, 8))
+    return [Case("block_sparse", f"fwd B{b} A{a} T{t} S{s} N{n}", jax.jit(kern()), jax.jit(ref), args,
+                 _tol(tiny, 2e-2), {f"bq{bq}_bk{bk}_w{nw}": jax.jit(kern(block_q=bq, block_k=bk, num_warps=nw))
+                        for bq, bk, nw in tiles}),
+            Case("block_sparse", f"fwd+bwd B{b} A{a} T{t} S{s} N{n}", grad(kern()), grad(ref), args,
+                 _tol(tiny, 5e-2), {f"bq{bq}_bk{bk}_w{nw}": grad(kern(block_q=bq, block_k=bk, num_warps=nw))
+                        for bq, bk, nw in tiles})]
+
+
+GROUPS = {"mla_paged": mla_paged_cases, "mla_prefill": mla_prefill_cases, "kda": kda_cases,
+          "block_sparse": block_sparse_cases}
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def _block(tree):
+    return jax.tree.map(lambda x: x.block_until_ready(), tree)
+
+
+def _timed(fn, args, iters: int) -> tuple[object, float, float]:
+    """(output, first-call seconds incl. compile, median seconds of `iters` further calls)."""
+    t0 = time.perf_counter()
+    out = _block(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        _block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return out, first, statistics.median(times) if times else float("nan")
+
+
+def _error(got, want) -> float:
+    errs = []
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.shape != w.shape:
+            return float("inf")
+        errs.append(float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-6))
+    return max(errs)
+
+
+def run_case(case: Case, iters: int, tune: bool, timing: bool) -> bool:
+    try:
+        want, _, t_ref = _timed(case.reference, case.args, iters if timing else 0)
+        got, t_first, t_kernel = _timed(case.kernel, case.args, iters if timing else 0)
+    except Exception:   # a kernel that does not compile / run is a failure to report, not a crash
+        print(f"[FAIL] {case.group:12s} {case.name}: error\n{traceback.format_exc()}", flush=True)
+        return False
+    err = _error(got, want)
+    ok = err <= case.tol
+    line = f"[{'ok' if ok else 'FAIL'}] {case.group:12s} {case.name:42s} err {err:.2e} (tol {case.tol:.0e})"
+    if timing:
+        line += (f"  kernel {t_kernel * 1e3:9.3f} ms  reference {t_ref * 1e3:9.3f} ms  "
+                 f"ratio {t_kernel / t_ref:6.3f}  (first call {t_first:.1f} s)")
+    print(line, flush=True)
+    if tune and timing:
+        for label, fn in case.tune.items():
+            try:
+                out, _, t = _timed(fn, case.args, iters)
+                print(f"       tune {label:18s} err {_error(out, want):.2e}  kernel {t * 1e3:9.3f} ms  "
+                      f"ratio {t / t_ref:6.3f}", flush=True)
+            except Exception as e:   # an alternative tiling may exceed the chip's resources
+                print(f"       tune {label:18s} error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return ok
+
+
+def lower_for_gpu(groups) -> bool:
+    """Lower every kernel at K3 shapes to Triton IR for CUDA and ROCm (no GPU needed)."""
+    ok = True
+    for group in groups:
+        for case in GROUPS[group](tiny=False, interpret=False):
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.args)
+            for platform in ("cuda", "rocm"):
+                try:
+                    text = case.kernel.trace(*abstract).lower(lowering_platforms=(platform,)).as_text()
+                    assert "triton" in text, "no Triton kernel in the lowered module"
+                    print(f"[ok]   lowered for {platform:4s}: {case.group:12s} {case.name}", flush=True)
+                except Exception:
+                    ok = False
+                    print(f"[FAIL] lowering for {platform}: {case.group} {case.name}\n{traceback.format_exc()}")
+    return ok
+
+
+def main(argv):
+    del argv
+    groups = _ONLY.value or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise app.UsageError(f"--only: unknown groups {sorted(unknown)}; choose from {sorted(GROUPS)}")
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    ok = True
+    if on_gpu:
+        print(f"GPU: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}); Triton lowering; "
+              f"times = median of {_ITERS.value} calls", flush=True)
+        for group in groups:
+            for case in GROUPS[group](tiny=False, interpret=False):
+                ok &= run_case(case, _ITERS.value, _TUNE.value, timing=True)
+    else:
+        print(f"no GPU (default backend: {jax.default_backend()}): lowering every kernel to Triton IR "
+              "for CUDA and ROCm, then interpret-mode comparisons on tiny shapes (no timings)", flush=True)
+        ok &= lower_for_gpu(groups)
+        for group in groups:
+            for case in GROUPS[group](tiny=True, interpret=True):
+                ok &= run_case(case, 0, False, timing=False)
+    print("all kernels match their references" if ok else "MISMATCH OR ERROR (see [FAIL] lines)", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,112 @@
+"""Caches for generation (spec E.2, E.3, E.4).
+
+`PagedPool`: ONE paged pool of attention rows `[rows, num_pages, page_size, width]` addressed
+through one block table per sequence. For the kimi family, rows are the target's MLA layers then
+the draft's layers, each row 576 wide (`[c_kv | k_pe]`); the draft binds into the target's pages
+(same block table, same positions). For the llama family a row holds `[k | v]` of one layer.
+Optional fp8 storage (e4m3fn, static scale 1.0: `store = fp8(x / 1.0)`, `load = fp8 * 1.0`).
+
+`KDAStates`: per KDA layer the conv window and the fp32 SSM state of every sequence. Verify steps
+compute one snapshot per forwarded token; after acceptance the sequence keeps snapshot n, so
+rejecting drafts is an index choice, never a recomputation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+FP8_SCALE = 1.0   # ATOM's static per-tensor scale (spec E.4)
+
+
+def storage_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
+    if kv_cache_dtype in ("auto", "bf16", "bfloat16", "model"):
+        return jnp.dtype(compute_dtype)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        return jnp.dtype(FP8)
+    if kv_cache_dtype in ("fp32", "float32"):
+        return jnp.dtype(jnp.float32)
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected auto, bf16, fp32 or fp8")
+
+
+class PagedPool(NamedTuple):
+    pages: jax.Array          # [R, P, page_size, W]
+    block_table: jax.Array    # [B, max_pages_per_seq] int32, physical page of each logical page
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    @staticmethod
+    def create(rows: int, batch: int, max_len: int, page_size: int, width: int, dtype,
+               num_pages: int | None = None, block_table: np.ndarray | None = None) -> "PagedPool":
+        """A pool with a default block table giving sequence b the pages [b*n, (b+1)*n).
+        A scheduler (the server) passes its own table to share/reuse pages."""
+        per_seq = -(-max_len // page_size)
+        num_pages = num_pages or batch * per_seq
+        if block_table is None:
+            block_table = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+        if block_table.max() >= num_pages:
+            raise ValueError(f"block table addresses page {block_table.max()} of a {num_pages}-page pool")
+        return PagedPool(jnp.zeros((rows, num_pages, page_size, width), dtype),
+                         jnp.asarray(block_table, jnp.int32))
+
+    def slots(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(physical page, offset) of each (sequence, position)."""
+        ps = self.page_size
+        logical = jnp.clip(positions_BT // ps, 0, self.block_table.shape[1] - 1)
+        page = jnp.take_along_axis(self.block_table, logical, axis=1)
+        return page, positions_BT % ps
+
+    def write(self, row: int | jax.Array, positions_BT: jax.Array, values_BTW: jax.Array,
+              valid_BT: jax.Array | None = None) -> "PagedPool":
+        """Store rows at their positions; invalid tokens (padding) are dropped. Rows narrower than
+        the pool (a draft whose latent is narrower than the target's rows) are zero-padded."""
+        pad = self.pages.shape[-1] - values_BTW.shape[-1]
+        if pad:
+            values_BTW = jnp.pad(values_BTW, [(0, 0)] * (values_BTW.ndim - 1) + [(0, pad)])
+        page, off = self.slots(positions_BT)
+        if valid_BT is not None:
+            page = jnp.where(valid_BT, page, self.pages.shape[1])       # out of range -> dropped
+        vals = (values_BTW.astype(jnp.float32) / FP8_SCALE).astype(self.pages.dtype) \
+            if self.pages.dtype == FP8 else values_BTW.astype(self.pages.dtype)
+        pages = self.pages.at[row, page, off].set(vals, mode="drop")
+        return self._replace(pages=pages)
+
+    def read(self, row: int | jax.Array, dtype, width: int | None = None) -> jax.Array:
+        """Every sequence's rows in logical order: `[B, max_len, width]` (position i at index i)."""
+        rows = self.pages[row][self.block_table]            # [B, pages_per_seq, page_size, W]
+        b, n, ps, w = rows.shape
+        rows = rows.reshape(b, n * ps, w)[..., :width or w]
+        if self.pages.dtype == FP8:
+            return (rows.astype(jnp.float32) * FP8_SCALE).astype(dtype)
+        return rows.astype(dtype)
+
+
+class KDAStates(NamedTuple):
+    conv: jax.Array    # [n_kda, B, K-1, 3P] raw pre-conv q|k|v inputs
+    ssm: jax.Array     # [n_kda, B, H, K, V] fp32
+
+    @staticmethod
+    def create(n_layers: int, batch: int, conv_width: int, kernel: int, heads: int, head_dim: int,
+               dtype) -> "KDAStates":
+        return KDAStates(jnp.zeros((n_layers, batch, kernel - 1, conv_width), dtype),
+                         jnp.zeros((n_layers, batch, heads, head_dim, head_dim), jnp.float32))
+
+
+def fp8_round_trip(x: jax.Array) -> jax.Array:
+    """What a value looks like after a trip through fp8 storage (used by references/tests)."""
+    return (x.astype(jnp.float32) / FP8_SCALE).astype(FP8).astype(jnp.float32) * FP8_SCALE
+
+
+def fp8_numpy(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)

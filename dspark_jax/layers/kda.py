@@ -1,0 +1,397 @@
+"""Kimi Delta Attention (KDA), the linear-attention layer of Kimi-Linear and Kimi-K3 (spec A.5.3).
+
+Per head the layer keeps a state S [K, V] (K-first, fp32) updated by a gated delta rule with a
+per-channel decay:  S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S.
+Two numerically equal forms are provided as pure functions so Pallas kernels can sit beside them:
+`kda_recurrent` (a scan over tokens: decode / verify) and `kda_chunked` (the WY-form chunkwise
+parallel algorithm: prefill). `causal_conv` is the depthwise short convolution both share.
+
+Config switches (KimiConfig):
+- `gate_lower_bound` None: Kimi-Linear forget gate g = -exp(A_log) * softplus(f + dt_bias),
+  A_log stored [1, 1, H, 1]. A float lb: K3 "safe gate" g = lb * sigmoid(exp(A_log) * (f + dt_bias)),
+  A_log stored as a vector zero-padded to a multiple of 128 (only [0:H] is read).
+- `use_full_rank_gate` True: K3 output gate `g_proj` [P, D]; False: Kimi-Linear `g_a_proj`/`g_b_proj`.
+The output norm is the same in both families: rms(o) * w * sigmoid(gate) (fla FusedRMSNormGated with
+activation="sigmoid"; transformers' KimiLinearRMSNormGated and ATOM's K3 layer agree).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import KimiConfig
+from dspark_jax.layers.linear import Linear
+from dspark_jax.params import param
+
+# K3 stores A_log zero-padded to a multiple of this (spec A.3: [128] for 96 heads).
+K3_A_LOG_PAD = 128
+
+
+class KDAState(NamedTuple):
+    """Recurrent state of one KDA layer.
+
+    conv: [B, K-1, 3P] the last K-1 raw (pre-conv, pre-silu) q|k|v projections, param dtype.
+    ssm:  [B, H, Kdim, Vdim] delta-rule state, float32, K-first.
+    """
+    conv: jnp.ndarray
+    ssm: jnp.ndarray
+
+    @classmethod
+    def zeros(cls, cfg: KimiConfig, batch: int, dtype) -> "KDAState":
+        p = cfg.kda_num_heads * cfg.kda_head_dim
+        return cls(
+            conv=jnp.zeros((batch, cfg.short_conv_kernel_size - 1, 3 * p), dtype),
+            ssm=jnp.zeros((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32))
+
+
+class KDASnapshots(NamedTuple):
+    """The state AFTER every token t (spec E.2: speculative rollback is picking an index).
+
+    conv: [B, T, K-1, 3P];  ssm: [B, T, H, Kdim, Vdim] float32.
+    """
+    conv: jnp.ndarray
+    ssm: jnp.ndarray
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions (references for the kernels)
+
+
+def causal_conv(window_BWC: jnp.ndarray, weight_CK: jnp.ndarray) -> jnp.ndarray:
+    """Depthwise causal conv over a window that already holds the K-1 past inputs in front.
+
+    window_BWC: [B, K-1+T, C]; weight_CK: [C, K]. Returns the pre-activation [B, T, C] in float32:
+    out[t, c] = sum_j w[c, j] * window[t + j, c].
+    """
+    k = weight_CK.shape[-1]
+    t = window_BWC.shape[1] - (k - 1)
+    w = weight_CK.astype(jnp.float32)
+    win = window_BWC.astype(jnp.float32)
+    return sum(win[:, j:j + t, :] * w[:, j] for j in range(k))
+
+
+def l2_normalize(x: jnp.ndarray, eps: float = 1e-6) -> jnp.ndarray:
+    """x / sqrt(sum(x^2) + eps), fp32 (fla's l2norm: eps inside the sqrt, not a max)."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def kda_gate(graw_BTHK: jnp.ndarray, a_log_H: jnp.ndarray, dt_bias_HK: jnp.ndarray,
+             lower_bound: float | None) -> jnp.ndarray:
+    """Per-channel log-decay g <= 0 (fp32). `lower_bound` None = Kimi-Linear softplus gate."""
+    x = graw_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32)
+    rate_H1 = jnp.exp(a_log_H.astype(jnp.float32))[:, None]
+    if lower_bound is None:
+        return -rate_H1 * jax.nn.softplus(x)
+    return lower_bound * jax.nn.sigmoid(rate_H1 * x)
+
+
+def gated_rms_norm(o: jnp.ndarray, weight: jnp.ndarray, gate: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """rms(o) * w * sigmoid(gate) over the last axis, all in fp32 (fla FusedRMSNormGated)."""
+    of = o.astype(jnp.float32)
+    normed = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
+    return normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
+def unit_lower_inverse(lower_CC: jnp.ndarray) -> jnp.ndarray:
+    """(I + L)^-1 for strictly lower triangular L [..., C, C], by forward substitution.
+
+    X = (I + L)^-1 - I solves X = -L - L X, and row i of that only reads rows < i of X, so rows are
+    final in order: C small sequential steps, the order transformers' reference uses. Compiles small
+    and is the fastest option measured on CPU (XLA's triangular_solve was ~1000x slower there).
+    """
+    c = lower_CC.shape[-1]
+
+    def row(i, x):
+        x_i = jax.lax.dynamic_slice_in_dim(x, i, 1, axis=-2)
+        return jax.lax.dynamic_update_slice_in_dim(x, x_i + x_i @ x, i, axis=-2)
+
+    return jax.lax.fori_loop(1, c, row, -lower_CC) + jnp.eye(c, dtype=lower_CC.dtype)
+
+
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
+                  return_snapshots: bool = False):
+    """Token-by-token delta rule. q must already be l2-normalised and scaled, k l2-normalised.
+
+    Returns (o [B,T,H,V] f32, final state [B,H,K,V] f32, snapshots [B,T,H,K,V] or None).
+    """
+    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+               for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+
+    def step(s_BHKV, x):
+        q_BHK, k_BHK, v_BHV, g_BHK, beta_BH = x
+        s_BHKV = s_BHKV * jnp.exp(g_BHK)[..., None]
+        u_BHV = beta_BH[..., None] * (v_BHV - jnp.einsum("bhk,bhkv->bhv", k_BHK, s_BHKV))
+        s_BHKV = s_BHKV + k_BHK[..., None] * u_BHV[..., None, :]
+        o_BHV = jnp.einsum("bhk,bhkv->bhv", q_BHK, s_BHKV)
+        return s_BHKV, (o_BHV, s_BHKV if return_snapshots else None)
+
+    final, (o_TBHV, snaps_TBHKV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), xs)
+    snaps = jnp.moveaxis(snaps_TBHKV, 0, 1) if return_snapshots else None
+    return jnp.moveaxis(o_TBHV, 0, 1), final, snaps
+
+
+def _segment_sums(g_CK: jnp.ndarray) -> jnp.ndarray:
+    """seg[i, j] = sum_{j < m <= i} g_m  [..., C, C, K] (0 on and above the diagonal).
+
+    Summed directly rather than as cumsum_i - cumsum_j: with strong decays the cumulative sums reach
+    hundreds and their difference would lose ~|cumsum| * 1e-7 absolutely, which is large relative
+    error for a small exponent.
+    """
+    c = g_CK.shape[-2]
+    later = jnp.tril(jnp.ones((c, c), bool), -1)                      # m > j
+    return jnp.cumsum(jnp.where(later[:, :, None], g_CK[..., :, None, :], 0.0), axis=-3)
+
+
+def _suffix_sums(g_CK: jnp.ndarray) -> jnp.ndarray:
+    """sum_{m > j} g_m along the chunk axis (exclusive), summed directly for the same reason."""
+    rev = jnp.cumsum(g_CK[..., ::-1, :], axis=-2)[..., ::-1, :]
+    return jnp.concatenate([rev[..., 1:, :], jnp.zeros_like(rev[..., :1, :])], axis=-2)
+
+
+def decayed_scores(x_XCK: jnp.ndarray, k_BCK: jnp.ndarray, g_BCK: jnp.ndarray,
+                   sub_chunk: int = 16) -> jnp.ndarray:
+    """A[i, j] = sum_d x[i,d] k[j,d] exp(sum_{j<m<=i} g[m,d]) for i >= j, 0 above the diagonal.
+
+    k, g (per-token log-decays <= 0): [..., C, K]; x may carry extra leading axes (several left
+    operands share the decays). Every such exponent is <= 0, so nothing overflows. Pairs inside one
+    sub-chunk use the explicit [sub, sub, K] decay; a pair of sub-chunks a > b factors through the
+    boundary after b: exp(decay from that boundary to i) * exp(decay from j to the end of b), both
+    factors <= 1, so it is a plain matmul.
+    """
+    c, dk = k_BCK.shape[-2:]
+    sub = min(sub_chunk, c)
+    s = c // sub
+    x, k, g = (z.reshape(*z.shape[:-2], s, sub, dk) for z in (x_XCK, k_BCK, g_BCK))
+    causal = jnp.tril(jnp.ones((sub, sub), bool))
+    decay = jnp.exp(jnp.where(causal[:, :, None], _segment_sums(g), -jnp.inf))
+    diag = jnp.einsum("...sijk,...sjk->...sij", x[..., :, None, :] * decay, k)
+    # decay from the start of sub-chunk a to token i, and over whole sub-chunks strictly between b, a
+    prefix = jnp.cumsum(g, axis=-2)                                   # [..., s, sub, K]
+    a, b_, m = jnp.arange(s)[:, None, None], jnp.arange(s)[None, :, None], jnp.arange(s)[None, None, :]
+    between = jnp.einsum("abm,...mk->...abk", ((b_ < m) & (m < a)).astype(g.dtype), prefix[..., -1, :])
+    below = jnp.tril(jnp.ones((s, s), bool), -1)                      # a > b
+    left = x[..., :, None, :, :] * jnp.exp(jnp.where(
+        below[:, :, None, None], between[..., :, :, None, :] + prefix[..., :, None, :, :], -jnp.inf))
+    right = k * jnp.exp(_suffix_sums(g))
+    off = jnp.einsum("...abik,...bjk->...aibj", left, right)
+    full = off + jnp.einsum("...sij,st->...sitj", diag, jnp.eye(s, dtype=diag.dtype))
+    return full.reshape(*full.shape[:-4], c, c)
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
+                chunk_size: int = 64, return_snapshots: bool = False):
+    """Chunkwise-parallel delta rule (WY form), equal to `kda_recurrent` up to fp32 rounding.
+
+    Within a chunk of C tokens (gc = cumulative g, D[i,j] = exp(gc_i - gc_j) for i >= j):
+      L = strict_lower(sum_d beta_i k_i D_ij k_j),  Tm = (I + L)^-1
+      U = Tm (beta v),  W = Tm (beta k exp(gc)),  Vn = U - W S          (per-token "new values")
+      o = (q exp(gc)) S + causal(sum_d q_i D_ij k_j) Vn
+      S <- exp(gc_last) S + (k exp(gc_last - gc))^T Vn
+    Every exponent is <= 0, so nothing overflows however strong the decay, and every gc_i - gc_j is
+    summed directly over the tokens between (see `_segment_sums`). T is padded to a multiple of C
+    with g = beta = 0 tokens, which leave the state untouched. C (a power of two) shrinks to the
+    next power of two >= T for short inputs.
+    Same signature and returns as `kda_recurrent`.
+    """
+    b, t = k_BTHK.shape[:2]
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size {chunk_size} must be a power of two")
+    c = min(chunk_size, 1 << (t - 1).bit_length())
+    pad = (-t) % c
+    n = (t + pad) // c
+
+    def to_chunks(x):  # [B,T,H,...] -> [N,B,H,C,...]
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, c, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    xs = tuple(to_chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    causal_CC = jnp.tril(jnp.ones((c, c), bool))
+    strict_CC = jnp.tril(jnp.ones((c, c), bool), -1)
+
+    def step(s_BHKV, x):
+        q, k, v, g, beta_BHC = x                                   # [B,H,C,K] / [B,H,C]
+        gc = jnp.cumsum(g, axis=-2)
+        kb = k * beta_BHC[..., None]
+        kk_BHCC, qk_BHCC = decayed_scores(jnp.stack([kb, q]), k, g)
+        t_inv = unit_lower_inverse(kk_BHCC * strict_CC)
+        u = t_inv @ (v * beta_BHC[..., None])
+        w = t_inv @ (kb * jnp.exp(gc))
+        v_new = u - w @ s_BHKV
+        o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gc), s_BHKV) + qk_BHCC @ v_new
+        s_new = (s_BHKV * jnp.exp(gc[..., -1, :])[..., None]
+                 + jnp.einsum("bhjk,bhjv->bhkv", k * jnp.exp(_suffix_sums(g)), v_new))
+        snaps = None
+        if return_snapshots:  # the same update truncated after every token i of the chunk
+            decay = jnp.exp(jnp.where(causal_CC[:, :, None], _segment_sums(g), -jnp.inf))
+            snaps = (jnp.exp(gc)[..., None] * s_BHKV[:, :, None]
+                     + jnp.einsum("bhijk,bhjk,bhjv->bhikv", decay, k, v_new))
+        return s_new, (o, snaps)
+
+    final, (o_NBHCV, snaps_NBHCKV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), xs)
+
+    def from_chunks(x):  # [N,B,H,C,...] -> [B,T,H,...]
+        x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
+        return x.reshape(b, n * c, *x.shape[3:])[:, :t]
+
+    snaps = from_chunks(snaps_NBHCKV) if return_snapshots else None
+    return from_chunks(o_NBHCV), final, snaps
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+class _Conv(nnx.Module):
+    """Holds one depthwise conv weight [P, 1, K] (F32 in the checkpoint) as `<name>.weight`."""
+
+    def __init__(self, channels: int, kernel_size: int, rngs: nnx.Rngs):
+        # ~ torch Conv1d's fan-in scale (fan-in = K for a depthwise conv)
+        self.weight = param((channels, 1, kernel_size), jnp.float32, ("heads", None, "conv"), rngs,
+                            scale=kernel_size ** -0.5)
+
+
+class _NormWeight(nnx.Module):
+    """`o_norm.weight` [head_dim] F32; the gated norm itself is `gated_rms_norm`."""
+
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.weight = param((dim,), jnp.float32, ("norm",), rngs, init="ones")
+
+
+class KimiDeltaAttention(nnx.Module):
+    """`self_attn` of a KDA decoder layer; attribute paths are the checkpoint tensor names."""
+
+    def __init__(self, cfg: KimiConfig, *, dtype, rngs: nnx.Rngs):
+        d, h, hd = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        p, kc = h * hd, cfg.short_conv_kernel_size
+        self.num_heads, self.head_dim, self.conv_size = h, hd, kc
+        self.lower_bound = cfg.gate_lower_bound
+        self.full_rank_gate = cfg.use_full_rank_gate
+        self.eps = cfg.rms_norm_eps
+        self.dtype = jnp.dtype(dtype)
+
+        self.q_proj = Linear(d, p, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, p, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, p, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        # separate depthwise convs (transformers stacks them into one `conv1d`)
+        self.q_conv1d = _Conv(p, kc, rngs)
+        self.k_conv1d = _Conv(p, kc, rngs)
+        self.v_conv1d = _Conv(p, kc, rngs)
+
+        # Decay rates A = exp(A_log) ~ U(1, 16) (fla init). A_log is tiny: replicated.
+        if self.lower_bound is None:
+            a_shape = (1, 1, h, 1)
+        else:
+            a_shape = (math.ceil(h / K3_A_LOG_PAD) * K3_A_LOG_PAD,)
+        self.A_log = param(a_shape, jnp.float32, (None,) * len(a_shape), rngs, init="uniform_pm1")
+        a_log = jnp.log(1.0 + 7.5 * (self.A_log.get_value() + 1.0))
+        if self.lower_bound is not None:  # K3 zero-pads past the H real entries
+            a_log = jnp.where(jnp.arange(a_shape[0]) < h, a_log, 0.0)
+        self.A_log.set_value(a_log)
+
+        # dt_bias: Kimi-Linear uses inverse-softplus of dt ~ logU(1e-3, 1e-1) (fla init), giving
+        # per-token decays exp(-A*dt) spanning ~0.2..1. The K3 sigmoid gate needs dt_bias near 0
+        # for the same spread inside (lb, 0).
+        self.dt_bias = param((p,), jnp.float32, ("heads",), rngs, init="uniform_pm1")
+        u = self.dt_bias.get_value()
+        if self.lower_bound is None:
+            dt = jnp.exp(math.log(1e-3) + (u + 1.0) * 0.5 * (math.log(1e-1) - math.log(1e-3)))
+            self.dt_bias.set_value(dt + jnp.log(-jnp.expm1(-dt)))
+        else:
+            self.dt_bias.set_value(0.5 * u)
+
+        self.f_a_proj = Linear(d, hd, axes=(None, "embed"), dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear(hd, p, axes=("heads", None), dtype=dtype, rngs=rngs)
+        self.b_proj = Linear(d, h, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        if self.full_rank_gate:
+            self.g_proj = Linear(d, p, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        else:
+            self.g_a_proj = Linear(d, hd, axes=(None, "embed"), dtype=dtype, rngs=rngs)
+            self.g_b_proj = Linear(hd, p, axes=("heads", None), dtype=dtype, rngs=rngs)
+        self.o_norm = _NormWeight(hd, rngs)
+        self.o_proj = Linear(p, d, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+
+    def init_state(self, batch: int) -> KDAState:
+        p = self.num_heads * self.head_dim
+        return KDAState(
+            conv=jnp.zeros((batch, self.conv_size - 1, 3 * p), self.dtype),
+            ssm=jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
+
+    def __call__(self, x_BTD: jnp.ndarray, state: KDAState | None = None, *, mode: str = "chunked",
+                 valid_BT: jnp.ndarray | None = None, return_snapshots: bool = False,
+                 chunk_size: int = 64):
+        """Run T tokens from `state` (zeros if None).
+
+        mode: "chunked" (parallel prefill form) or "recurrent" (scan over tokens); equal results.
+        valid_BT: bool, True for real tokens of a RIGHT-padded batch (each row a valid prefix).
+          Padded tokens leave the state untouched: the returned state (and every snapshot past the
+          last valid token) is the state after the row's last valid token; their outputs are junk.
+        Returns (out_BTD, new_state) or, with return_snapshots, (out_BTD, new_state, KDASnapshots).
+        """
+        b, t, _ = x_BTD.shape
+        h, hd, kc = self.num_heads, self.head_dim, self.conv_size
+        if state is None:
+            state = self.init_state(b)
+        if valid_BT is not None:
+            x_BTD = jnp.where(valid_BT[..., None], x_BTD, 0).astype(x_BTD.dtype)
+
+        # q, k, v stay separate (each head-sharded) rather than one concatenated 3P activation,
+        # which under tensor parallelism would need a reshuffle; only the small window is joined.
+        p = h * hd
+        windows = []
+        for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
+                                          (self.v_proj, self.v_conv1d))):
+            raw_BTP = proj(x_BTD)
+            windows.append(jnp.concatenate([state.conv[..., i * p:(i + 1) * p].astype(raw_BTP.dtype),
+                                            raw_BTP], axis=1))             # [B, K-1+T, P]
+        q, k, v = (jax.nn.silu(causal_conv(win, conv.weight.get_value()[:, 0, :]))
+                   .astype(win.dtype).reshape(b, t, h, hd)
+                   for win, conv in zip(windows, (self.q_conv1d, self.k_conv1d, self.v_conv1d)))
+        q = l2_normalize(q) * hd ** -0.5
+        k = l2_normalize(k)
+
+        graw = self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, hd)
+        a_log_H = self.A_log.get_value().reshape(-1)[:h]
+        g = kda_gate(graw, a_log_H, self.dt_bias.get_value().reshape(h, hd), self.lower_bound)
+        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))   # fp32 beta (spec A.5.3)
+        if valid_BT is not None:  # g = beta = 0 makes a token the identity on the state
+            g = jnp.where(valid_BT[..., None, None], g, 0.0)
+            beta = jnp.where(valid_BT[..., None], beta, 0.0)
+
+        if mode == "chunked":
+            o, ssm, ssm_snaps = kda_chunked(q, k, v, g, beta, state.ssm, chunk_size=chunk_size,
+                                            return_snapshots=return_snapshots)
+        elif mode == "recurrent":
+            o, ssm, ssm_snaps = kda_recurrent(q, k, v, g, beta, state.ssm,
+                                              return_snapshots=return_snapshots)
+        else:
+            raise ValueError(f"KDA mode must be 'chunked' or 'recurrent', got {mode!r}")
+
+        if self.full_rank_gate:
+            gate = self.g_proj(x_BTD)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x_BTD))
+        y = gated_rms_norm(o, self.o_norm.weight.get_value(), gate.reshape(b, t, h, hd), self.eps)
+        out_BTD = self.o_proj(y.astype(self.dtype).reshape(b, t, h * hd))
+
+        # Conv window after n tokens = window rows n .. n+K-2 (row K-2+n is raw token n-1).
+        n_B = jnp.full((b,), t) if valid_BT is None else jnp.sum(valid_BT, axis=1)
+        offs = jnp.arange(kc - 1)
+
+        def rows(idx_BR):   # the q|k|v window rows idx -> [B, R, 3P] in the state dtype
+            return jnp.concatenate([jnp.take_along_axis(w, idx_BR[..., None], axis=1) for w in windows],
+                                   -1).astype(state.conv.dtype)
+
+        new_state = KDAState(conv=rows(n_B[:, None] + offs), ssm=ssm)
+        if not return_snapshots:
+            return out_BTD, new_state
+        after_BT = jnp.minimum(jnp.arange(1, t + 1)[None, :], n_B[:, None])   # tokens consumed
+        conv_snaps = rows((after_BT[..., None] + offs).reshape(b, -1)).reshape(b, t, kc - 1, -1)
+        return out_BTD, new_state, KDASnapshots(conv=conv_snaps, ssm=ssm_snaps)
+

@@ -1,0 +1,274 @@
+"""Speculative generation: losslessness, statistics, sampling, KDA rollback (issue 5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import steps
+from dspark_jax.generate import Engine, RequestError, generate
+from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    target = tiny_llama(0)
+    return target, tiny_draft(target, 1)
+
+
+@pytest.fixture(scope="module")
+def k3_pair():
+    target = tiny_k3(0)
+    return target, tiny_draft(target, 1, layer_ids=(1, 3))
+
+
+def _chi2_pvalue(counts, probs) -> float:
+    probs = np.asarray(probs, np.float64)
+    return scipy.stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue
+
+
+def _same_tokens(plain, spec):
+    for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
+        assert a.token_ids == b.token_ids, f"prompt {i}: speculative output differs from plain greedy"
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lossless_greedy_llama(llama_pair, batch):
+    target, draft = llama_pair
+    ps = prompts(16, target.cfg.vocab_size, seed=batch)
+    for i in range(0, 16, batch):
+        chunk = ps[i:i + batch]
+        plain = generate(target, None, chunk, max_new_tokens=24)
+        spec = generate(target, draft, chunk, max_new_tokens=24, num_speculative_tokens=7)
+        _same_tokens(plain, spec)
+        assert all(len(o.token_ids) == 24 for o in spec.outputs)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lossless_greedy_k3(k3_pair, batch):
+    target, draft = k3_pair
+    ps = prompts(16, target.cfg.vocab_size, seed=10 + batch)
+    for i in range(0, 16, batch):
+        chunk = ps[i:i + batch]
+        plain = generate(target, None, chunk, max_new_tokens=20)
+        spec = generate(target, draft, chunk, max_new_tokens=20, num_speculative_tokens=5)
+        _same_tokens(plain, spec)
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "k3_pair"])
+def test_lossless_greedy_fp8_cache(request, pair):
+    target, draft = request.getfixturevalue(pair)
+    ps = prompts(4, target.cfg.vocab_size, seed=7)
+    plain = generate(target, None, ps, max_new_tokens=16, kv_cache_dtype="fp8")
+    spec = generate(target, draft, ps, max_new_tokens=16, num_speculative_tokens=7, kv_cache_dtype="fp8")
+    _same_tokens(plain, spec)
+    # fp8 storage really changes the numbers (otherwise this test would prove nothing)
+    full = generate(target, None, ps, max_new_tokens=16)
+    assert any(a.token_ids != b.token_ids for a, b in zip(full.outputs, plain.outputs)) or \
+        target.cfg.family == "llama"
+
+
+def _oracle(reference):
+    """A proposer that drafts the target's own greedy continuation."""
+    def propose(i, so_far, t):
+        ref = reference[i]
+        start = len(so_far)
+        out = ref[start:start + t]
+        return out + [0] * (t - len(out))
+    return propose
+
+
+def test_oracle_proposer_gives_eight_tokens_per_forward(llama_pair):
+    target, _ = llama_pair
+    ps = prompts(3, target.cfg.vocab_size, seed=3)
+    ref = generate(target, None, ps, max_new_tokens=60)
+    want = [o.token_ids for o in ref.outputs]
+    # 1 token from prefill + 7 steps x 8 tokens = 57 tokens: every step accepts all 7 drafts
+    spec = generate(target, None, ps, max_new_tokens=57, num_speculative_tokens=7, proposer=_oracle(want))
+    for o, w in zip(spec.outputs, want):
+        assert o.token_ids == w[:57]
+    assert spec.stats["average_tokens_per_forward"] == 8.0
+    assert spec.stats["distribution"]["7"] == 3 * 7 and spec.stats["acceptance_rate"] == 1.0
+
+
+def test_stats_equal_hand_count(llama_pair):
+    target, _ = llama_pair
+    ps = prompts(2, target.cfg.vocab_size, seed=4)
+    ref = [o.token_ids for o in generate(target, None, ps, max_new_tokens=40).outputs]
+    pattern = [3, 0, 7, 1, 5, 2]          # drafts correct before the deliberate mistake
+    calls = {0: 0, 1: 0}
+
+    def propose(i, so_far, t):
+        k = pattern[calls[i] % len(pattern)]
+        calls[i] += 1
+        good = ref[i][len(so_far):len(so_far) + t]
+        out = list(good) + [0] * (t - len(good))
+        if k < t:
+            out[k] = (out[k] + 1) % target.cfg.vocab_size       # wrong from position k on
+        return out
+
+    spec = generate(target, None, ps, max_new_tokens=36, num_speculative_tokens=7, proposer=propose)
+    for o, w in zip(spec.outputs, ref):
+        assert o.token_ids == w[:36]
+    # hand count: replay the pattern until 36 tokens are produced (1 from prefill)
+    dist = [0] * 8
+    for i in range(2):
+        produced, step = 1, 0
+        while produced < 36:
+            n = pattern[step % len(pattern)]
+            dist[n] += 1
+            produced += n + 1
+            step += 1
+        st = spec.outputs[i].stats
+        assert st["distribution"] == {str(k): c for k, c in enumerate(dist)}, (i, st["distribution"], dist)
+        dist = [0] * 8
+    agg = spec.stats
+    steps_n = sum(agg["distribution"].values())
+    assert agg["average_tokens_per_forward"] == pytest.approx(1 + agg["total_accepted_tokens"] / steps_n)
+    assert agg["total_draft_tokens"] == 7 * steps_n
+
+
+def test_kda_rollback_forced_rejection(k3_pair):
+    """Every draft wrong: each step keeps snapshot 0 of the verify pass. All KDA states and the
+    MLA pool rows that plain decoding reads must equal plain decoding's."""
+    target, _ = k3_pair
+    ps = prompts(2, target.cfg.vocab_size, seed=5)
+    ref = [o.token_ids for o in generate(target, None, ps, max_new_tokens=12).outputs]
+    v = target.cfg.vocab_size
+
+    def wrong(i, so_far, t):
+        good = ref[i][len(so_far):len(so_far) + t]
+        return [(x + 1) % v for x in good] + [0] * (t - len(good))
+
+    eng_plain = Engine(target, None, 0, 0.0, 1.0)
+    eng_spec = Engine(target, None, 5, 0.0, 1.0)
+    max_len = 128
+    out_p = eng_plain.run(ps, 12, max_len, set(), lambda o: False, 0)
+    out_s = eng_spec.run(ps, 12, max_len, set(), lambda o: False, 0, proposer=wrong)
+    assert [o[0] for o in out_p] == [o[0] for o in out_s] == ref
+    _assert_same_states(eng_plain.last_caches, eng_spec.last_caches)
+
+
+def _assert_same_states(cp, cs):
+    # Not bitwise: XLA rounds the [B,T+1,D] projections of a verify step differently from the
+    # [B,1,D] ones of plain decoding (~1e-6). A wrong snapshot choice (one token off) moves the
+    # states by O(0.1), far outside this tolerance.
+    np.testing.assert_allclose(np.asarray(cs.kda.ssm), np.asarray(cp.kda.ssm), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cs.kda.conv), np.asarray(cp.kda.conv), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(cs.kda.ssm)).max() > 1e-2          # the states are not trivially zero
+
+
+def test_kda_partial_acceptance_states(k3_pair):
+    """Drafts right for the first k tokens (k varying per step): states equal plain decoding."""
+    target, _ = k3_pair
+    ps = prompts(2, target.cfg.vocab_size, seed=6)
+    ref = [o.token_ids for o in generate(target, None, ps, max_new_tokens=30).outputs]
+    v = target.cfg.vocab_size
+    calls = {0: 0, 1: 0}
+
+    def partial(i, so_far, t):
+        k = (calls[i] * 2 + i) % (t + 1)
+        calls[i] += 1
+        good = ref[i][len(so_far):len(so_far) + t]
+        out = list(good) + [0] * (t - len(good))
+        if k < t:
+            out[k] = (out[k] + 1) % v
+        return out
+
+    eng_plain = Engine(target, None, 0, 0.0, 1.0)
+    eng_spec = Engine(target, None, 5, 0.0, 1.0)
+    out_p = eng_plain.run(ps, 25, 128, set(), lambda o: False, 0)
+    out_s = eng_spec.run(ps, 25, 128, set(), lambda o: False, 0, proposer=partial)
+    assert [o[0] for o in out_p] == [o[0] for o in out_s]
+    # the spec run produced the same tokens in fewer steps; the states after them must agree
+    _assert_same_states(eng_plain.last_caches, eng_spec.last_caches)
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling
+
+
+def test_accept_sampling_marginals_are_the_targets():
+    """Unit check of the rejection sampler with fixed per-position p and q: the token emitted at
+    each position is distributed as p (chi-square goodness of fit, N=40000, alpha=1e-3); the same
+    samples are far from q (shows the test has power)."""
+    v, t, n = 6, 3, 40000
+    rng = np.random.default_rng(0)
+    tl = jnp.asarray(rng.normal(size=(t + 1, v)) * 1.5, jnp.float32)
+    dl = jnp.asarray(rng.normal(size=(t, v)) * 1.5, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        drafts = jax.random.categorical(kd, dl, axis=-1)
+        acc = steps.accept_sampling(tl[None], dl[None], drafts[None], 1.0, 1.0, ka)
+        return acc.num_accepted_B[0], acc.emitted_BT1[0]
+
+    nacc, emitted = jax.jit(jax.vmap(one))(keys)
+    nacc, emitted = np.asarray(nacc), np.asarray(emitted)
+    p = np.asarray(jax.nn.softmax(tl, -1))
+    q = np.asarray(jax.nn.softmax(dl, -1))
+    for pos in range(t + 1):
+        got = emitted[nacc >= pos][:, pos]
+        counts = np.bincount(got, minlength=v)
+        assert _chi2_pvalue(counts, p[pos]) > 1e-3, pos
+        if pos < t:
+            assert _chi2_pvalue(counts, q[pos]) < 1e-6
+
+
+def _exact_two_token_marginal(target, prompt):
+    """P(2nd generated token = v) under the target's own sampling, by enumeration."""
+    v = target.cfg.vocab_size
+    ids = jnp.asarray([prompt])
+    p1 = np.asarray(jax.nn.softmax(target.forward(ids).logits[0, -1]))
+    batch = jnp.asarray([prompt + [t] for t in range(v)])
+    p2 = np.asarray(jax.nn.softmax(target.forward(batch).logits[:, -1], -1))
+    return p1, p1 @ p2
+
+
+def test_speculative_sampling_matches_target_distribution():
+    """End to end on a vocab-12 model: 2000 sampled continuations (temperature 1) with the draft;
+    the 2nd token (the first one produced by a speculative step) must follow the target's exact
+    marginal (chi-square, alpha=1e-3)."""
+    target = tiny_llama(3, vocab=12)
+    draft = tiny_draft(target, 4)
+    prompt = [1, 5, 7, 2]
+    p1, p2 = _exact_two_token_marginal(target, prompt)
+    n = 2000
+    res = generate(target, draft, [prompt] * n, max_new_tokens=3, temperature=1.0,
+                   num_speculative_tokens=3, seed=11)
+    first = np.array([o.token_ids[0] for o in res.outputs])
+    second = np.array([o.token_ids[1] for o in res.outputs])
+    assert _chi2_pvalue(np.bincount(first, minlength=12), p1) > 1e-3
+    assert _chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
+    assert res.stats["total_accepted_tokens"] > 0          # the draft's tokens were actually used
+
+
+# ------------------------------------------------------------------------------------------------
+# requests and stops
+
+
+def test_bad_requests_name_the_field(llama_pair):
+    target, draft = llama_pair
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        generate(target, draft, [[1, 2]], max_new_tokens=0)
+    with pytest.raises(RequestError, match="top_p"):
+        generate(target, draft, [[1, 2]], top_p=0.0)
+    with pytest.raises(RequestError, match=r"prompts\[1\]"):
+        generate(target, draft, [[1, 2], [1] * 600], max_model_len=512)
+    with pytest.raises(RequestError, match="tokenizer"):
+        generate(target, draft, ["hello"])
+
+
+def test_max_model_len_stops_cleanly(llama_pair):
+    target, draft = llama_pair
+    p = prompts(1, target.cfg.vocab_size, seed=9, lo=100, hi=101)
+    plain = generate(target, None, p, max_new_tokens=400, max_model_len=128)
+    spec = generate(target, draft, p, max_new_tokens=400, max_model_len=128)
+    assert plain.outputs[0].finish_reason == spec.outputs[0].finish_reason == "length"
+    assert plain.outputs[0].token_ids == spec.outputs[0].token_ids
+    assert len(p[0]) + len(plain.outputs[0].token_ids) <= 128 + 1

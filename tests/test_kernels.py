@@ -1,0 +1,279 @@
+"""Pallas kernels (interpret mode on CPU) against their pure-JAX references, and the dispatch.
+
+Shapes are tiny but keep every structural case: ragged lengths, keys crossing page / tile / split
+boundaries, T = 1..7 query rows, bf16 and fp8 caches, strong and bounded KDA gates, dropped
+anchors. Interpret-mode compiles dominate the run time, so each kernel compiles once per dtype:
+the row padding makes every T share one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.cache import FP8, PagedPool
+from dspark_jax.kernels import dispatch
+from dspark_jax.kernels.block_sparse import block_sparse_kernel, block_sparse_mask, block_sparse_reference
+from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
+from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
+from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
+from dspark_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from dspark_jax.layers.mla import causal_mask, mla_attend_absorbed, mla_attend_expanded, split_kv_b
+
+# f32 compute: kernel and reference differ only in summation order / online-softmax rescaling,
+# ~1e-7 relative on O(1) outputs; 2e-5 leaves room without hiding a wrong mask (which moves
+# outputs by O(0.1)).
+TOL_F32 = 2e-5
+# bf16 compute: the kernel rounds the unnormalised softmax weights to bf16 (the reference rounds
+# the normalised ones): a few bf16 ulps (2^-8 = 4e-3) of an O(1) output.
+TOL_BF16 = 3e-2
+
+
+def _normal(rng: np.random.Generator, shape, dtype=jnp.float32, scale=1.0):
+    # numpy, not jax.random: every new shape would cost a CPU compile of the RNG (~1 s)
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _close(a, b, tol, what=""):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    err = np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA over the paged pool
+
+
+B, N, C, R, PAGE, PAGES_PER_SEQ = 3, 2, 32, 16, 4, 5
+LENS = np.array([0, 4, 12])        # cached tokens per sequence before the T new rows (ragged)
+
+
+def _paged_inputs(cache_dtype, q_dtype, t: int, seed: int = 0):
+    """numpy inputs (host arrays: slicing them compiles nothing) for T = t query rows."""
+    rng = np.random.default_rng(seed)
+    num_pages = B * PAGES_PER_SEQ + 3                # spare pages nobody owns
+    table = rng.permutation(num_pages)[:B * PAGES_PER_SEQ].reshape(B, PAGES_PER_SEQ).astype(np.int32)
+    # rows: 2 pool rows of [c_kv | k_pe]; the kernel reads row 1 (row 0 is different garbage)
+    pages = np.asarray(_normal(rng, (2, num_pages, PAGE, C + R)).astype(cache_dtype))
+    q_lat = np.asarray(_normal(rng, (B, t, N, C), q_dtype, 0.5))
+    q_rope = np.asarray(_normal(rng, (B, t, N, R), q_dtype, 0.5))
+    positions = (LENS[:, None] + np.arange(t)[None]).astype(np.int32)
+    return q_lat, q_rope, pages, table, positions
+
+
+@jax.jit
+def _paged_reference_both(q_lat, q_rope, pages, table, positions):
+    """Verify (causal) and draft-block references, in f32: XLA's CPU runtime cannot run their
+    bf16 x bf16 -> f32 batched einsums; the query values are the same bf16-rounded ones."""
+    q_lat, q_rope = q_lat.astype(jnp.float32), q_rope.astype(jnp.float32)
+    return tuple(mla_paged_reference(q_lat, q_rope, pages, table, positions, 0.3, causal=causal, row=1)
+                 for causal in (True, False))
+
+
+# block_k 2 < page 4: two key tiles per page (the in-page offset path the K3 pages of 128 take)
+@pytest.mark.parametrize("cache_dtype,q_dtype,tol,block_k", [
+    (jnp.bfloat16, jnp.float32, TOL_F32, 2),
+    (FP8, jnp.float32, TOL_F32, 4),
+    (FP8, jnp.bfloat16, TOL_BF16, 2),
+])
+def test_mla_paged_matches_reference(cache_dtype, q_dtype, tol, block_k):
+    q_lat7, q_rope7, pages, table, positions7 = _paged_inputs(cache_dtype, q_dtype, 7)
+    for t in range(1, 8):                            # verify T+1 rows / draft blocks of 1..7
+        # One reference compile for all T: rows are independent, so the reference runs on 7 rows
+        # with rows >= t at position -1 (no key visible, no effect on the block's last position).
+        pos_ref = np.where(np.arange(7)[None] < t, positions7, -1).astype(np.int32)
+        want_both = _paged_reference_both(q_lat7, q_rope7, pages, table, pos_ref)
+        for causal, want in zip((True, False), want_both):
+            got = mla_paged_kernel(q_lat7[:, :t], q_rope7[:, :t], pages, table, positions7[:, :t], 0.3,
+                                   causal=causal, row=1, block_k=block_k, kv_splits=2, interpret=True)
+            assert got.shape == (B, t, N, C) and got.dtype == q_dtype
+            _close(got, want[:, :t], tol, f"T={t} causal={causal}")
+
+
+def test_mla_paged_reference_is_the_layer_math():
+    """The reference = mla_attend_absorbed on the gathered cache (before W_UV), with the verify
+    causal mask and the draft-block mask (context < anchor, plus the whole block)."""
+    t, h = 4, 8
+    q_lat, q_rope, pages, table, positions = _paged_inputs(jnp.float32, jnp.float32, t)
+    rng = np.random.default_rng(7)
+    w_uk = _normal(rng, (N, h, C), scale=0.3)
+    q_nope = _normal(rng, (B, t, N, h))
+    q_lat = jnp.einsum("btnh,nhc->btnc", q_nope, w_uk)
+    kv = PagedPool(pages, table).read(1, jnp.float32)
+    eye_uv = jnp.broadcast_to(jnp.eye(C), (N, C, C))        # W_UV = I keeps the latent context
+    pos_s = jnp.arange(kv.shape[1])[None, None, :]
+    anchors = positions[:, :1, None]                          # block rows at anchor..anchor+t-1
+    masks = {True: pos_s <= positions[..., None], False: pos_s < anchors + t}
+    for causal, mask in masks.items():
+        want = mla_attend_absorbed(q_nope, q_rope, kv, jnp.broadcast_to(mask, (B, t, kv.shape[1])),
+                                   w_uk, eye_uv, 0.3)
+        got = mla_paged_reference(q_lat, q_rope, pages, table, positions, 0.3, causal=causal, row=1)
+        _close(got, want, TOL_F32, f"causal={causal}")
+
+
+def test_mla_paged_nothing_visible_gives_zero():
+    q_lat, q_rope, pages, table, _ = _paged_inputs(jnp.float32, jnp.float32, 2)
+    positions = jnp.full((B, 2), -1, jnp.int32)    # no key at position <= -1
+    got = mla_paged_kernel(q_lat, q_rope, pages, table, positions, 0.3, causal=True, row=1, kv_splits=2,
+                           interpret=True)
+    assert np.all(np.asarray(got) == 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA prefill (expanded, causal)
+
+
+def test_mla_prefill_matches_reference_and_layer():
+    b, t, s, n, h, r, v = 2, 13, 21, 2, 16, 8, 16
+    rng = np.random.default_rng(1)
+    q_nope, q_rope = _normal(rng, (b, t, n, h)), _normal(rng, (b, t, n, r))
+    k_nope, k_pe, val = _normal(rng, (b, s, n, h)), _normal(rng, (b, s, r)), _normal(rng, (b, s, n, v))
+    # row 0: a later chunk (positions 8..20 over 21 cached keys); row 1: a fresh prompt (0..12)
+    positions = jnp.stack([jnp.arange(t) + 8, jnp.arange(t)]).astype(jnp.int32)
+    got = mla_prefill_kernel(q_nope, q_rope, k_nope, k_pe, val, positions, 0.25, block_q=16, block_k=8,
+                             interpret=True)
+    _close(got, mla_prefill_reference(q_nope, q_rope, k_nope, k_pe, val, positions, 0.25), TOL_F32, "prefill")
+
+    # the reference is mla_attend_expanded's math: keys from latent rows through kv_b_proj
+    c = 12
+    kv = _normal(rng, (b, s, c + r))
+    w_uk, w_uv = split_kv_b(_normal(rng, (n * (h + v), c), scale=0.3), n, h)
+    k_nope = jnp.einsum("bsc,nhc->bsnh", kv[..., :c], w_uk)
+    val = jnp.einsum("bsc,nvc->bsnv", kv[..., :c], w_uv)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    q_nope, q_rope = _normal(rng, (b, s, n, h)), _normal(rng, (b, s, n, r))
+    want = mla_attend_expanded(q_nope, q_rope, kv, causal_mask(b, s), w_uk, w_uv, 0.25)
+    _close(mla_prefill_reference(q_nope, q_rope, k_nope, kv[..., c:], val, pos, 0.25), want, TOL_F32, "layer")
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA
+
+
+def _kda_inputs(t: int, lower_bound, seed: int = 0, b: int = 2, h: int = 2, dk: int = 16, dv: int = 32):
+    rng = np.random.default_rng(seed)
+    q = l2_normalize(_normal(rng, (b, t, h, dk))) * dk ** -0.5
+    k = l2_normalize(_normal(rng, (b, t, h, dk)))
+    v = _normal(rng, (b, t, h, dv))
+    a_log = jnp.log(jnp.linspace(1.0, 16.0, h))
+    g = kda_gate(_normal(rng, (b, t, h, dk), scale=2.0), a_log, _normal(rng, (h, dk)), lower_bound)
+    beta = jax.nn.sigmoid(_normal(rng, (b, t, h)))
+    s0 = _normal(rng, (b, h, dk, dv), scale=0.5)
+    return q, k, v, g, beta, s0
+
+
+# Kimi-Linear's unbounded softplus gate reaches log-decays far below -88 (exp underflow / a
+# factorised form would overflow); K3's bounded gate keeps them in (-5, 0).
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_chunked_matches_reference(lower_bound):
+    t = 37                                           # 3 kernel chunks of 16, the last one padded
+    args = _kda_inputs(t, lower_bound)
+    o, s, snaps = kda_chunked_kernel(*args, interpret=True)
+    ro, rs, _ = kda_chunked(*args)                   # the reference chunks by 64: another split
+    assert snaps is None and o.shape == ro.shape and s.shape == rs.shape
+    # fp32 recurrences over 37 tokens, O(1) values; summation order differs, ~1e-6
+    _close(o, ro, TOL_F32, "o")
+    _close(s, rs, TOL_F32, "state")
+    _close(o, kda_recurrent(*args)[0], TOL_F32, "o vs recurrent")
+
+
+def test_kda_recurrent_snapshots_match_reference():
+    args = _kda_inputs(8, -5.0, seed=3)              # a verify step: T+1 = 8 tokens
+    o, s, snaps = kda_recurrent_kernel(*args, return_snapshots=True, block_v=16, interpret=True)
+    ro, rs, rsnaps = kda_recurrent(*args, return_snapshots=True)
+    _close(o, ro, TOL_F32, "o")
+    _close(s, rs, TOL_F32, "state")
+    _close(snaps, rsnaps, TOL_F32, "snapshots")
+    np.testing.assert_array_equal(np.asarray(snaps[:, -1]), np.asarray(s))
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-anchor block-sparse attention (draft training)
+
+
+def _block_sparse_inputs(seed: int = 0):
+    b, a, t, s, n, h, r, v = 2, 3, 3, 10, 2, 16, 8, 16
+    rng = np.random.default_rng(seed)
+    q = a * t
+    args = (_normal(rng, (b, q, n, h)), _normal(rng, (b, q, n, r)), _normal(rng, (b, s + q, n, h)),
+            _normal(rng, (b, s + q, r)), _normal(rng, (b, s + q, n, v)))
+    anchors = jnp.array([[0, 5, 9], [2, 4, 7]], jnp.int32)       # anchor 0 sees no context
+    keep = jnp.array([[True, True, True], [True, False, True]])   # one dropped anchor
+    return args, anchors, keep
+
+
+def test_block_sparse_mask_semantics():
+    anchors = jnp.array([[1, 3]], jnp.int32)
+    keep = jnp.array([[True, False]])
+    m = np.asarray(block_sparse_mask(anchors, keep, 4, 2))[0].astype(int)
+    np.testing.assert_array_equal(m, [[1, 0, 0, 0, 1, 1, 0, 0],      # anchor 1: context 0, own block
+                                      [1, 0, 0, 0, 1, 1, 0, 0],
+                                      [0, 0, 0, 0, 0, 0, 0, 0],      # dropped: nothing
+                                      [0, 0, 0, 0, 0, 0, 0, 0]])
+
+
+def test_block_sparse_forward_and_gradient():
+    args, anchors, keep = _block_sparse_inputs()
+    scale = 0.3
+    # 4-row query tiles, 8-row key tiles: blocks of 3 straddle both
+    kernel = lambda *x: block_sparse_kernel(*x, anchors, keep, scale, block_q=4, block_k=8, interpret=True)
+    reference = lambda *x: block_sparse_reference(*x, anchors, keep, scale)
+    out = kernel(*args)
+    _close(out, reference(*args), TOL_F32, "forward")
+    # the dropped anchor's rows are exactly zero
+    assert np.all(np.asarray(out[1, 3:6]) == 0.0)
+
+    w = _normal(np.random.default_rng(9), out.shape)
+    grads = jax.grad(lambda *x: jnp.sum(kernel(*x) * w), argnums=tuple(range(5)))(*args)
+    want = jax.grad(lambda *x: jnp.sum(reference(*x) * w), argnums=tuple(range(5)))(*args)
+    for name, g, gw in zip(("q_nope", "q_rope", "k_nope", "k_pe", "v"), grads, want):
+        assert g.shape == gw.shape and np.all(np.isfinite(np.asarray(g)))
+        _close(g, gw, TOL_F32, f"d{name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_dispatch_modes(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.kernel_mode() == "auto"
+    assert dispatch.kernel_interpret() is None                       # CPU: reference
+    monkeypatch.setenv(dispatch.ENV_VAR, "on")
+    assert dispatch.kernel_interpret() is True                       # kernel, interpreted on CPU
+    with dispatch.use_kernels("off"):                                # the context manager wins
+        assert dispatch.kernel_interpret() is None
+        with dispatch.use_kernels("interpret"):
+            assert dispatch.kernel_interpret() is True
+        assert dispatch.kernel_mode() == "off"
+    monkeypatch.setenv(dispatch.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="DSPARK_KERNELS"):
+        dispatch.kernel_mode()
+    with pytest.raises(ValueError):
+        with dispatch.use_kernels("always"):
+            pass
+
+
+def test_dispatch_routes_to_kernel_and_reference():
+    """The entry points give the same numbers either way (kernels forced on = interpret here)."""
+    q_lat, q_rope, pages, table, positions = _paged_inputs(FP8, jnp.float32, 3)
+    kda_args = _kda_inputs(37, -5.0, seed=5)       # the chunked test's shapes: cached compiles
+    verify_args = tuple(x[:, :8] for x in kda_args[:5]) + kda_args[5:]
+    bs_args, anchors, keep = _block_sparse_inputs(seed=2)
+    pf = [x[:, :9] for x in bs_args[:2]] + [x[:, :12] for x in bs_args[2:]]
+
+    def run():
+        return (dispatch.mla_paged_attention(q_lat, q_rope, pages, table, positions, 0.3, causal=False, row=1),
+                dispatch.mla_prefill_attention(*pf, jnp.broadcast_to(jnp.arange(9) + 3, (2, 9)), 0.3),
+                dispatch.kda_prefill(*kda_args)[:2],
+                dispatch.kda_verify(*verify_args, return_snapshots=True),
+                dispatch.block_sparse_attention(*bs_args, anchors, keep, 0.3))
+
+    with dispatch.use_kernels("off"):
+        want = run()
+    with dispatch.use_kernels("on"):
+        got = run()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _close(g, w, TOL_F32, "dispatch")
