@@ -75,8 +75,10 @@ class PagedPool(NamedTuple):
         if pad:
             values_BTW = jnp.pad(values_BTW, [(0, 0)] * (values_BTW.ndim - 1) + [(0, pad)])
         page, off = self.slots(positions_BT)
+        keep = positions_BT < self.max_len             # never wrap past the table into real rows
         if valid_BT is not None:
-            page = jnp.where(valid_BT, page, self.pages.shape[1])       # out of range -> dropped
+            keep = keep & valid_BT
+        page = jnp.where(keep, page, self.pages.shape[1])                # out of range -> dropped
         vals = (values_BTW.astype(jnp.float32) / FP8_SCALE).astype(self.pages.dtype) \
             if self.pages.dtype == FP8 else values_BTW.astype(self.pages.dtype)
         pages = self.pages.at[row, page, off].set(vals, mode="drop")

@@ -57,7 +57,6 @@ def _kimi_forward(model, tokens_BT, positions_BT, valid_BT, caches: TargetCaches
     pool, kda = caches
     mla_row, kda_row = cfg.mla_layer_index, cfg.kda_layer_index
     new_conv, new_ssm, snap_conv, snap_ssm = {}, {}, {}, {}
-    dtype = model.dtype
 
     def attention(layer, x):
         nonlocal pool
@@ -65,9 +64,7 @@ def _kimi_forward(model, tokens_BT, positions_BT, valid_BT, caches: TargetCaches
         if layer.is_mla:
             row = mla_row[idx]
             pool = pool.write(row, positions_BT, layer.self_attn.latent_kv(x, positions_BT), valid_BT)
-            kv = pool.read(row, dtype, cfg.kv_latent_dim)
-            mask = _visible(positions_BT, kv.shape[1])
-            return layer.self_attn.attend(x, positions_BT, kv, mask, absorbed=True)
+            return layer.self_attn.attend_paged(x, positions_BT, pool, row, causal=True)
         i = kda_row[idx]
         state = KDAState(kda.conv[i], kda.ssm[i])
         if verify:
@@ -134,6 +131,7 @@ class DraftProposal(NamedTuple):
     tokens_BT: jax.Array         # drafts d_1..d_T
     logits_BTV: jax.Array        # Markov-biased draft logits that produced them (fp32)
     confidence_BT: jax.Array | None
+    pool: PagedPool              # with the block's rows written (overwritten by draft_context later)
 
 
 def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax.Array,
@@ -149,17 +147,24 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
                               jnp.full((b, num_tokens - 1), cfg.mask_token_id, anchor_B.dtype)], 1)
     pos_BT = anchor_pos_B[:, None] + jnp.arange(num_tokens)[None]
     dtype = embed_VD.dtype
-    kv_LBSW = jnp.stack([pool.read(first_row + l, dtype, cfg.kv_latent_dim) for l in range(cfg.num_hidden_layers)])
-    ctx_mask_BTS = jnp.broadcast_to(jnp.arange(kv_LBSW.shape[2])[None, None, :] < anchor_pos_B[:, None, None],
-                                    (b, num_tokens, kv_LBSW.shape[2]))
-    h_BTD = draft.block_hidden(jnp.take(embed_VD, ids_BT, axis=0), pos_BT, kv_LBSW, ctx_mask_BTS)
+
+    def attend(layer: int, attn, a_BTD):
+        # the block's latent rows go into the draft's pool rows at p..p+T-1 (they sit at future
+        # positions; draft_context overwrites them after verification), then every row attends
+        # to the context before p and the whole block
+        nonlocal pool
+        row = first_row + layer
+        pool = pool.write(row, pos_BT, attn.latent_kv(a_BTD, pos_BT))
+        return attn.attend_paged(a_BTD, pos_BT, pool, row, causal=False)
+
+    h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)
     base_BTV = jnp.einsum("btd,vd->btv", h_BTD.astype(lm_head_VD.dtype), lm_head_VD).astype(jnp.float32)
     tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key)
     conf = None
     if cfg.enable_confidence_head:
         prev = jnp.concatenate([anchor_B[:, None], tokens[:, :-1]], 1)
         conf = draft.confidence(h_BTD, prev)
-    return DraftProposal(tokens, logits, conf)
+    return DraftProposal(tokens, logits, conf, pool)
 
 
 def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float = 0.0,

@@ -58,8 +58,8 @@ def mla_paged_reference(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
     pages: one pool row [P, page, C+R], or the whole pool [rows, P, page, C+R] with `row`.
     Returns the latent context [B,T,N,C] in q_lat's dtype (fully masked rows give 0)."""
     pool, r = _pool(pages, block_table_BP, row)
-    kv_BSL = pool.read(r, q_lat_BTNC.dtype)
     c = q_lat_BTNC.shape[-1]
+    kv_BSL = pool.read(r, q_lat_BTNC.dtype, c + q_rope_BTNR.shape[-1])
     lim_BT = key_limits(positions_BT, causal, kv_BSL.shape[1])
     mask_BTS = jnp.arange(kv_BSL.shape[1])[None, None, :] < lim_BT[..., None]
     scores_BNTS = mla_scores_absorbed(q_lat_BTNC, q_rope_BTNR.astype(kv_BSL.dtype), kv_BSL, scale)
@@ -134,7 +134,7 @@ def mla_paged_kernel(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.A
     b, t, n, c = q_lat_BTNC.shape
     r = q_rope_BTNR.shape[-1]
     page_size, width = pages.shape[2:]
-    if width != c + r:
+    if width < c + r:   # wider rows (a pool shared with a wider target) are read up to c + r
         raise ValueError(f"pool rows are {width} wide, queries need {c} + {r}")
     block_k = min(block_k, page_size)
     check_pow2(C=c, R=r, page_size=page_size, block_k=block_k, block_m=block_m)

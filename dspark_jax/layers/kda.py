@@ -334,6 +334,8 @@ class KimiDeltaAttention(nnx.Module):
           last valid token) is the state after the row's last valid token; their outputs are junk.
         Returns (out_BTD, new_state) or, with return_snapshots, (out_BTD, new_state, KDASnapshots).
         """
+        from dspark_jax.kernels import dispatch   # Pallas kernel on GPU, these references on CPU
+
         b, t, _ = x_BTD.shape
         h, hd, kc = self.num_heads, self.head_dim, self.conv_size
         if state is None:
@@ -365,10 +367,10 @@ class KimiDeltaAttention(nnx.Module):
             beta = jnp.where(valid_BT[..., None], beta, 0.0)
 
         if mode == "chunked":
-            o, ssm, ssm_snaps = kda_chunked(q, k, v, g, beta, state.ssm, chunk_size=chunk_size,
+            o, ssm, ssm_snaps = dispatch.kda_prefill(q, k, v, g, beta, state.ssm, chunk_size=chunk_size,
                                             return_snapshots=return_snapshots)
         elif mode == "recurrent":
-            o, ssm, ssm_snaps = kda_recurrent(q, k, v, g, beta, state.ssm,
+            o, ssm, ssm_snaps = dispatch.kda_verify(q, k, v, g, beta, state.ssm,
                                               return_snapshots=return_snapshots)
         else:
             raise ValueError(f"KDA mode must be 'chunked' or 'recurrent', got {mode!r}")

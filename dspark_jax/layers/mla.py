@@ -177,6 +177,26 @@ class MLAttention(nnx.Module):
         attend_fn = mla_attend_absorbed if absorbed else mla_attend_expanded
         o_BTNV = attend_fn(q_nope_BTNH, q_rope_BTNR, kv_BSL.astype(q_nope_BTNH.dtype), mask_BTS,
                            w_uk_NHC, w_uv_NVC, self.softmax_scale)
+        return self._output(x_BTD, o_BTNV)
+
+    def attend_paged(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray, pool, row: int, *,
+                     causal: bool) -> jnp.ndarray:
+        """Absorbed attention straight over the paged latent pool (`cache.PagedPool`), through the
+        kernel dispatch. causal: keys at positions <= each query's; else (draft block) keys at
+        positions < the block's last position + 1, i.e. context rows before the block and the
+        whole block, whose rows the caller wrote into the pool first."""
+        from dspark_jax.kernels import dispatch
+
+        q_nope_BTNH, q_rope_BTNR = self.queries(x_BTD, positions_BT)
+        w_uk_NHC, w_uv_NVC = split_kv_b(self.kv_b_proj.weight.get_value(), self.num_heads,
+                                        self.qk_nope_head_dim)
+        q_lat_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
+        ctx_BTNC = dispatch.mla_paged_attention(q_lat_BTNC, q_rope_BTNR, pool.pages, pool.block_table,
+                                                positions_BT, self.softmax_scale, causal=causal, row=row)
+        o_BTNV = jnp.einsum("btnc,nvc->btnv", ctx_BTNC.astype(w_uv_NVC.dtype), w_uv_NVC)
+        return self._output(x_BTD, o_BTNV)
+
+    def _output(self, x_BTD: jnp.ndarray, o_BTNV: jnp.ndarray) -> jnp.ndarray:
         o_BTX = o_BTNV.reshape(*o_BTNV.shape[:-2], self.num_heads * self.v_head_dim)
         if self.use_output_gate:
             # sigmoid in the param dtype (bf16 in the reference, spec A.5.4), gate from the layer input

@@ -38,16 +38,23 @@ class K3DSparkLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = GLUMLP(h, cfg.intermediate_size, act="silu", dtype=dtype, rngs=rngs)
 
+    def forward_with(self, h_BTD: jax.Array, attend) -> jax.Array:
+        """The layer with its attention supplied: `attend(self_attn, normed_input) -> out`.
+        Generation attends over the paged pool, training over dense multi-anchor masks."""
+        h_BTD = h_BTD + attend(self.self_attn, self.input_layernorm(h_BTD))
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
     def __call__(self, h_BTD: jax.Array, positions_BT: jax.Array, kv_ctx_BSL: jax.Array,
                  ctx_mask_BTS: jax.Array, *, absorbed: bool = False) -> jax.Array:
-        a_BTD = self.input_layernorm(h_BTD)
-        kv_blk_BTL = self.self_attn.latent_kv(a_BTD, positions_BT)
-        kv_BSL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BTL.dtype), kv_blk_BTL], axis=1)
-        b, t = positions_BT.shape
-        # every block row sees the whole block (non-causal, spec C.3) plus its visible context rows
-        mask_BTS = jnp.concatenate([ctx_mask_BTS, jnp.ones((b, t, t), bool)], axis=2)
-        h_BTD = h_BTD + self.self_attn.attend(a_BTD, positions_BT, kv_BSL, mask_BTS, absorbed=absorbed)
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        def attend(attn: MLAttention, a_BTD: jax.Array) -> jax.Array:
+            kv_blk_BTL = attn.latent_kv(a_BTD, positions_BT)
+            kv_BSL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BTL.dtype), kv_blk_BTL], axis=1)
+            b, t = positions_BT.shape
+            # every block row sees the whole block (non-causal, spec C.3) plus its visible context rows
+            mask_BTS = jnp.concatenate([ctx_mask_BTS, jnp.ones((b, t, t), bool)], axis=2)
+            return attn.attend(a_BTD, positions_BT, kv_BSL, mask_BTS, absorbed=absorbed)
+
+        return self.forward_with(h_BTD, attend)
 
 
 class MarkovHead(nnx.Module):
@@ -117,6 +124,13 @@ class K3DSparkModel(nnx.Module):
             h_BTD = layer(h_BTD, block_positions_BT, kv_ctx_LBSL[l], ctx_mask_BTS, absorbed=absorbed)
         return self.final_norm(h_BTD)
 
+    def block_hidden_with(self, block_embeds_BTD: jax.Array, attend) -> jax.Array:
+        """`block_hidden` with the attention supplied per layer: `attend(l, self_attn, a)`."""
+        h_BTD = block_embeds_BTD
+        for l, layer in enumerate(self.layers):
+            h_BTD = layer.forward_with(h_BTD, lambda attn, a, l=l: attend(l, attn, a))
+        return self.final_norm(h_BTD)
+
     # -- Markov head --------------------------------------------------------------------------
 
     def markov_bias(self, prev_ids: jax.Array) -> jax.Array:
@@ -127,14 +141,9 @@ class K3DSparkModel(nnx.Module):
 
     def markov_sample_greedy(self, base_logits_BTV: jax.Array, x0_B: jax.Array) -> jax.Array:
         """Drafts [B,T] left to right: d_{k+1} = argmax(base_k + bias(prev_k)), prev_0 = x0,
-        prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling)."""
-        def step(prev_B, base_BV):
-            d_B = jnp.argmax(base_BV.astype(jnp.float32) + self.markov_bias(prev_B), axis=-1)
-            d_B = d_B.astype(prev_B.dtype)
-            return d_B, d_B
-
-        _, drafts_TB = jax.lax.scan(step, x0_B, jnp.swapaxes(base_logits_BTV, 0, 1))
-        return jnp.swapaxes(drafts_TB, 0, 1)
+        prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling; the generation code path)."""
+        from dspark_jax.steps import markov_draft
+        return markov_draft(self, base_logits_BTV, x0_B)[0]
 
     # -- confidence head ----------------------------------------------------------------------
 
