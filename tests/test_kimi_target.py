@@ -20,6 +20,9 @@ from dspark_jax.config import KimiConfig
 from dspark_jax.models.kimi import KimiLinearModel, Residual, load_kimi
 from tests.kimi_configs import kimi_linear_dict, tiny_k3_dict
 
+# jitted: eager op-by-op dispatch of the MoE/KDA loops is far slower than one compile
+_forward = jax.jit(lambda m, x, aux=(): m.forward(x, aux_layer_ids=aux), static_argnums=2)
+
 # ------------------------------------------------------------------------------------------------
 # Kimi-Linear vs transformers
 
@@ -90,7 +93,7 @@ def test_final_hidden_feeds_lm_head(hf_kimi_linear):
     _, path = hf_kimi_linear
     ours = load_kimi(path, dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(1).integers(3, 96, size=(1, 20)))
-    out = ours.forward(ids)
+    out = _forward(ours, ids)
     w = ours.lm_head.weight.get_value()
     np.testing.assert_allclose(np.asarray(out.final_hidden @ w.T), np.asarray(out.logits), rtol=1e-5, atol=1e-5)
 
@@ -117,7 +120,7 @@ def test_tiny_k3_runs_and_aux_is_layer_output():
     cfg = model.cfg
     assert cfg.tensor_prefix == "language_model." and cfg.quantization == "mxfp4"
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, size=(2, 24)))
-    out = model.forward(ids, aux_layer_ids=(1, 3, 4))
+    out = _forward(model, ids, (1, 3, 4))
     assert np.isfinite(np.asarray(out.logits)).all()
     # the captured aux is exactly what each decoder layer returns (spec B: prefix, not the mix)
     positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
@@ -126,11 +129,16 @@ def test_tiny_k3_runs_and_aux_is_layer_output():
     def attention(layer, x):
         return layer.self_attn(x, positions, mask) if layer.is_mla else layer.self_attn(x)[0]
 
-    res = Residual(model.model.embed_tokens(ids), ())
-    outs = []
-    for layer in model.model.layers:
-        res = layer(res, attention)
-        outs.append(res.prefix)
+    @jax.jit
+    def layer_outputs(model, ids):
+        res = Residual(model.model.embed_tokens(ids), ())
+        outs = []
+        for layer in model.model.layers:
+            res = layer(res, attention)
+            outs.append(res.prefix)
+        return outs
+
+    outs = layer_outputs(model, ids)
     want = np.concatenate([np.asarray(outs[i]) for i in (1, 3, 4)], -1)
     np.testing.assert_allclose(np.asarray(out.aux_hidden), want, rtol=1e-6, atol=1e-6)
     # final_hidden @ lm_head == logits
@@ -230,7 +238,7 @@ def test_k3_checkpoint_round_trip(tmp_path):
     path = _write_k3_checkpoint(model, tmp_path / "k3")
     loaded = load_kimi(path, dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(4).integers(3, 96, size=(2, 12)))
-    np.testing.assert_array_equal(np.asarray(model.forward(ids).logits), np.asarray(loaded.forward(ids).logits))
+    np.testing.assert_array_equal(np.asarray(_forward(model, ids).logits), np.asarray(_forward(loaded, ids).logits))
     # packed experts stay packed in memory
     w1 = loaded.model.layers[1].block_sparse_moe.experts.w1.weight_packed.get_value()
     assert w1.dtype == jnp.uint8
@@ -275,14 +283,13 @@ def test_eight_devices_equal_one_device():
     cfg = KimiConfig.from_dict(d)
     single = KimiLinearModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     mesh = sharding.make_mesh(tensor=8)
-    sharded = sharding.create_sharded(lambda: KimiLinearModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
-    nnx.update(sharded, jax.device_put(nnx.state(single), sharding.param_shardings(single, mesh)))
+    sharded = sharding.shard_module(nnx.clone(single), mesh)
     spec = lambda p: p.get_value().sharding.spec
     assert spec(sharded.model.layers[0].self_attn.q_proj.weight)[0] == "tensor"
     assert spec(sharded.model.layers[1].block_sparse_moe.experts.w1.weight)[0] == "tensor"
     assert spec(sharded.lm_head.weight)[0] == "tensor"
     ids = jnp.asarray(np.random.default_rng(5).integers(3, 96, size=(2, 16)))
-    a = np.asarray(single.forward(ids).logits)
+    a = np.asarray(_forward(single, ids).logits)
     b = np.asarray(jax.jit(lambda m, x: m.forward(x).logits)(sharded, ids))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
