@@ -22,13 +22,18 @@ def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
     from dspark_jax.generate import register_source
 
     path = resolve_model_path(path_or_name)
+    from dspark_jax.checkpoint import target_io
+    if target_io.is_orbax_target_dir(Path(path)):          # written by `python -m convert.target`
+        model = target_io.load_kimi_orbax(path, mesh=mesh, dtype=dtype)
+        register_source(model, path)
+        return model
     cfg = load_config(path)
     if isinstance(cfg, KimiConfig):
         from dspark_jax.models.kimi import load_kimi
         model = load_kimi(path, dtype=dtype, mesh=mesh, progress=progress)
     elif isinstance(cfg, LlamaConfig):
         from dspark_jax.models.llama import load_llama
-        model = load_llama(path, dtype=dtype, mesh=mesh)
+        model = load_llama(path, dtype=dtype, mesh=mesh, progress=progress)
     elif isinstance(cfg, DraftConfig):
         raise ConfigError(f"{path}: this is a DSpark draft checkpoint; use load_draft")
     else:  # pragma: no cover - load_config raises for unknown families
