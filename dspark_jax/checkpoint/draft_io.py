@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint.safetensors_io import (DTYPE_NAMES, DTYPES, CheckpointError, SafetensorsFile,
-                                                  header_for, write_streaming)
+                                                  header_for, save_arrays, write_streaming)
 from dspark_jax.config import ConfigError, DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 
@@ -596,3 +596,23 @@ def load_draft(path: str | Path, *, dtype=None, mesh: Mesh | None = None) -> K3D
         value = src.read(name).astype(abstract.dtype, copy=False)
         flat.append((key_path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---------------------------------------------------------------------------------------------
+# exporting a model (training)
+
+
+def save_torch_draft(model: K3DSparkModel, cfg_dict: Mapping, dst: str | Path) -> TorchDraft:
+    """Write a draft model in the torch layout: `config.json` (cfg_dict as given; its
+    `torch_dtype` decides the tensor dtype) + `model.safetensors` in the reference writer's order
+    with the TorchSpec metadata, without `embed_tokens` (the target's). Atomic (temp dir + rename)."""
+    cfg = DraftConfig.from_dict(dict(cfg_dict), where="save_torch_draft config")
+    dt = np.dtype(jnp.dtype(cfg.dtype))
+    arrays = {name: np.asarray(jax.device_get(p.get_value())).astype(dt)
+              for name, p in params_lib.flat_params(model).items()}
+    check_tensors(cfg, [TensorEntry(n, _dtype_name(a.dtype), tuple(a.shape)) for n, a in arrays.items()],
+                  "save_torch_draft")
+    with _staging(Path(dst)) as tmp:
+        save_arrays(tmp / SAFETENSORS_FILE, arrays, TORCHSPEC_METADATA)
+        (tmp / CONFIG_FILE).write_text(json.dumps(dict(cfg_dict), indent=2) + "\n")
+    return open_torch_draft(dst)

@@ -1,0 +1,144 @@
+"""Distil a DSpark draft from a target (spec D; dspark_jax/train/trainer.py).
+
+Online teacher (the target's prefill runs inside the training step):
+    python -m train.distill --target smollm2-135m --data runs/demo/regen.jsonl \
+        --draft_config dspark_jax/configs/smollm2-135m-dspark.json --run_dir runs/demo/distill \
+        --total_steps 2000 --global_batch 16 --micro_batch 4 --max_len 512
+
+Offline teacher (shards written by `python -m train.teacher`, possibly still being written):
+    python -m train.distill --target smollm2-135m --teacher_dir runs/demo/teacher ...
+
+Rerunning the same command resumes from the newest checkpoint in --run_dir. --init_from starts
+from a torch-layout draft; --resume_torchspec converts a TorchSpec training checkpoint
+(checkpoint_N.pt) into this run's first checkpoint. The draft is exported in the torch layout to
+<run_dir>/export/step_N at every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from dspark_jax import sharding as sharding_lib
+from dspark_jax.api import load_target
+from dspark_jax.config import DraftConfig
+from dspark_jax.train import loss as loss_lib
+from dspark_jax.train import regen, teacher, torchspec
+from dspark_jax.train import trainer as trainer_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
+flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype.")
+flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher).")
+flags.DEFINE_string("teacher_dir", None, "Offline teacher shard directory (instead of --data).")
+flags.DEFINE_float("teacher_timeout", None, "Seconds to wait for a live teacher shard (default: forever).")
+flags.DEFINE_string("draft_config", None, "Draft config.json (default: --init_from's).")
+flags.DEFINE_string("init_from", None, "Start from this torch-layout draft directory.")
+flags.DEFINE_string("resume_torchspec", None, "TorchSpec checkpoint_N.pt (or a dir holding training_checkpoint/).")
+flags.DEFINE_string("run_dir", None, "Checkpoints, metrics.jsonl, tb/, export/.")
+flags.DEFINE_integer("total_steps", None, "Optimizer steps (default: --epochs over the data).")
+flags.DEFINE_float("epochs", None, "Epochs over the regenerated samples (online only).")
+flags.DEFINE_integer("global_batch", 16, "Sequences per optimizer step.")
+flags.DEFINE_integer("micro_batch", 4, "Sequences per forward/backward (accumulation = global/micro).")
+flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are truncated).")
+flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
+flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
+flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
+flags.DEFINE_float("lr", 5e-5, "Peak learning rate.")
+flags.DEFINE_float("warmup_frac", 0.04, "Warmup fraction of total steps.")
+flags.DEFINE_float("min_lr_frac", 0.0, "Final learning rate as a fraction of the peak.")
+flags.DEFINE_float("clip", 1.0, "Gradient clipping (global norm).")
+flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+flags.DEFINE_enum("compute_dtype", "auto", ["auto", "bfloat16", "float32"],
+                  "Draft forward/backward dtype; auto = bfloat16 on accelerators, float32 on CPU (XLA:CPU "
+                  "cannot run some bf16 x bf16 -> f32 dots of the training step).")
+flags.DEFINE_integer("seed", 0, "Init, data order and anchor sampling seed.")
+flags.DEFINE_integer("save_every", 100, "Checkpoint (and export) every N steps.")
+flags.DEFINE_integer("log_every", 1, "Log every N steps.")
+flags.DEFINE_integer("stop_after", None, "Stop after this many steps in this invocation (resume later).")
+flags.mark_flags_as_required(["run_dir"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
+    if (FLAGS.data is None) == (FLAGS.teacher_dir is None):
+        raise app.UsageError("give exactly one of --data (online teacher) and --teacher_dir (offline)")
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[distill {time.time() - t0:8.1f}s] {msg}", flush=True)
+
+    mesh = sharding_lib.make_mesh(tensor=1, data=1)
+    init_draft = None
+    if FLAGS.init_from:
+        from dspark_jax.checkpoint.draft_io import load_draft
+        init_draft = load_draft(FLAGS.init_from, dtype=jnp.float32, mesh=mesh)
+        draft_cfg = init_draft.cfg
+    if FLAGS.draft_config:
+        draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
+    elif not FLAGS.init_from:
+        raise app.UsageError("--draft_config or --init_from is required")
+
+    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
+    online = FLAGS.data is not None
+    if online:
+        samples = list(regen.samples_from_cache(regen.read_cache(FLAGS.data), max_len=FLAGS.max_len))
+        source = trainer_lib.SampleSource(samples, FLAGS.seed)
+        log(f"{len(samples)} samples from {FLAGS.data}")
+    else:
+        stream = teacher.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout, log=log)
+        if tuple(stream.meta.aux_layer_ids) != tuple(draft_cfg.target_layer_ids):
+            raise app.UsageError(f"{FLAGS.teacher_dir}: aux layers {stream.meta.aux_layer_ids} != the draft's "
+                                 f"target_layer_ids {list(draft_cfg.target_layer_ids)}")
+        source = trainer_lib.ShardSource(stream)
+        samples = None
+    total = FLAGS.total_steps
+    if total is None:
+        if FLAGS.epochs is None or samples is None:
+            raise app.UsageError("--total_steps is required (or --epochs with --data)")
+        total = max(1, int(FLAGS.epochs * len(samples) / FLAGS.global_batch))
+    cfg = trainer_lib.TrainConfig(
+        run_dir=FLAGS.run_dir, total_steps=total, global_batch=FLAGS.global_batch, micro_batch=FLAGS.micro_batch,
+        max_len=FLAGS.max_len, lr=FLAGS.lr, warmup_frac=FLAGS.warmup_frac, min_lr_frac=FLAGS.min_lr_frac,
+        clip_norm=FLAGS.clip, weight_decay=FLAGS.weight_decay, compute_dtype=_compute_dtype(), seed=FLAGS.seed,
+        log_every=FLAGS.log_every, save_every=FLAGS.save_every,
+        loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma))
+    trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=init_draft, log=log)
+    if FLAGS.resume_torchspec and trainer.manager.latest_step() is None:
+        names = set(trainer_lib.flat_names(trainer.state.params))
+        ts = torchspec.read_torchspec_checkpoint(FLAGS.resume_torchspec, names)
+        params, opt_state = torchspec.to_train_state(ts, trainer.state.params, trainer.tx)
+        trainer.set_state(params, opt_state, ts.step)
+        trainer.save({"data_position": source.position, "step": ts.step, "from_torchspec": str(FLAGS.resume_torchspec)})
+        log(f"converted TorchSpec checkpoint {FLAGS.resume_torchspec} (step {ts.step}) into {FLAGS.run_dir}/checkpoints")
+    log(f"training {total} steps: global batch {cfg.global_batch} = {cfg.accum_steps} x {cfg.micro_batch}, "
+        f"max_len {cfg.max_len}, {cfg.loss.num_anchors} anchors, {'online' if online else 'offline'} teacher, "
+        f"{len(jax.devices())} device(s), compute {cfg.compute_dtype}")
+    Path(FLAGS.run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:
+        json.dump({k: v.value for k, v in FLAGS.__flags.items() if k in _OWN_FLAGS}, f, indent=1)
+    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after)
+    log("done")
+
+
+def _compute_dtype() -> str:
+    if FLAGS.compute_dtype != "auto":
+        return FLAGS.compute_dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+_OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "resume_torchspec",
+              "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len", "num_anchors",
+              "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
+              "seed", "save_every", "log_every"}
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,65 @@
+"""Cache the target's answers to the prompt pool (spec D; format in dspark_jax/train/regen.py).
+
+    python -m train.regen --prompts runs/demo/prompts.jsonl --out runs/demo/regen.jsonl \
+        [--model smollm2-135m] [--max_new_tokens 256] [--batch_size 8] [--limit N]
+
+Greedy (T=0) by default, through `generate()` with the serving chat template. Rerunning the same
+command resumes: prompts already in --out are skipped. Progress (prompts, tokens/s, ETA) goes to
+stdout after every batch. --num_shards/--shard_index split the pool over several processes, each
+writing its own --out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from dspark_jax.api import load_target
+from dspark_jax.presets import resolve_model_path
+from dspark_jax.tokenizer import load_tokenizer
+from dspark_jax.train import regen
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("prompts", None, "Prompt pool JSONL ({id, source, messages}).")
+flags.DEFINE_string("out", None, "Answer cache JSONL (appended; resumable).")
+flags.DEFINE_string("model", "smollm2-135m", "Target: directory or preset name.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target compute dtype.")
+flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 8, "Prompts per generate() call.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("min_loss_tokens", regen.MIN_LOSS_TOKENS, "Answers shorter than this are not kept.")
+flags.DEFINE_integer("limit", None, "Use only the first N prompts of the pool.", lower_bound=1)
+flags.DEFINE_integer("num_shards", 1, "Split the pool over this many processes.", lower_bound=1)
+flags.DEFINE_integer("shard_index", 0, "This process's shard (prompts i with i % num_shards == index).")
+flags.mark_flags_as_required(["prompts", "out"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[regen {time.time() - t0:8.1f}s] {msg}", flush=True)
+
+    records = regen.read_jsonl(FLAGS.prompts)[:FLAGS.limit]
+    records = records[FLAGS.shard_index::FLAGS.num_shards]
+    path = resolve_model_path(FLAGS.model)
+    target = load_target(path, dtype=jnp.dtype(FLAGS.dtype))
+    tokenizer = load_tokenizer(path)
+    settings = regen.RegenSettings(target=str(FLAGS.model), max_new_tokens=FLAGS.max_new_tokens,
+                                   temperature=FLAGS.temperature, seed=FLAGS.seed,
+                                   chat_template_sha256=regen.template_sha256(tokenizer),
+                                   min_loss_tokens=FLAGS.min_loss_tokens)
+    counts = regen.regenerate(target, tokenizer, records, FLAGS.out, settings=settings,
+                              batch_size=FLAGS.batch_size, log=log)
+    kept = sum(r["kept"] for r in regen.read_cache(FLAGS.out))
+    log(f"done: {counts}; {kept} kept samples in {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

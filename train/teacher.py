@@ -1,0 +1,59 @@
+"""Write offline teacher shards (format: dspark_jax/train/teacher.py) as one of W writers.
+
+    python -m train.teacher --target smollm2-135m --data runs/demo/regen.jsonl \
+        --draft_config dspark_jax/configs/smollm2-135m-dspark.json --out runs/demo/teacher \
+        --num_writers 4 --writer 0 [--shard_size 64 --batch_size 4 --max_len 1024]
+
+Start W of these (one per --writer) and `python -m train.distill --teacher_dir ...` at the same
+time: the trainer consumes shards as they are published. Rerunning a writer continues after its
+last published shard.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from dspark_jax.api import load_target
+from dspark_jax.config import DraftConfig
+from dspark_jax.train import regen, teacher
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Teacher compute and storage dtype.")
+flags.DEFINE_string("data", None, "Regen cache JSONL.")
+flags.DEFINE_string("draft_config", None, "Draft config.json (its target_layer_ids are captured).")
+flags.DEFINE_string("out", None, "Shard directory.")
+flags.DEFINE_integer("num_writers", 1, "Number of writer processes.", lower_bound=1)
+flags.DEFINE_integer("writer", 0, "This writer's index.", lower_bound=0)
+flags.DEFINE_integer("shard_size", 64, "Sequences per shard.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 4, "Sequences per teacher forward.", lower_bound=1)
+flags.DEFINE_integer("max_len", 1024, "Sequence length (the trainer's --max_len).", lower_bound=2)
+flags.mark_flags_as_required(["data", "draft_config", "out"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[teacher {time.time() - t0:8.1f}s] {msg}", flush=True)
+
+    draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
+    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype))
+    samples = list(regen.samples_from_cache(regen.read_cache(FLAGS.data), max_len=FLAGS.max_len))
+    meta = teacher.ShardMeta(num_writers=FLAGS.num_writers, shard_size=FLAGS.shard_size,
+                             aux_layer_ids=tuple(draft_cfg.target_layer_ids), hidden_size=target.cfg.hidden_size,
+                             aux_width=len(draft_cfg.target_layer_ids) * target.cfg.hidden_size, dtype=FLAGS.dtype,
+                             target=str(FLAGS.target), max_len=FLAGS.max_len)
+    out = teacher.write_teacher_shards(target, samples, FLAGS.out, writer=FLAGS.writer, meta=meta,
+                                       batch_size=FLAGS.batch_size, log=log)
+    log(f"done: {out.num_shards} shards, {out.num_samples} sequences")
+
+
+if __name__ == "__main__":
+    app.run(main)
