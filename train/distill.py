@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
     def log(msg: str) -> None:
         print(f"[distill {time.time() - t0:8.1f}s] {msg}", flush=True)
 
-    mesh = sharding_lib.make_mesh(tensor=1, data=1)
+    mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
     init_draft = None
     if FLAGS.init_from:
         from dspark_jax.checkpoint.draft_io import load_draft

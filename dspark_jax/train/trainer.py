@@ -226,7 +226,7 @@ class Trainer:
                  mesh: Mesh | None = None, init_draft: K3DSparkModel | None = None,
                  log: Callable[[str], None] = print):
         self.cfg, self.draft_cfg, self.online, self.log = cfg, draft_cfg, online, log
-        self.mesh = mesh or sharding_lib.make_mesh(tensor=1, data=1)
+        self.mesh = mesh or sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
         self.tx, self.schedule = make_optimizer(cfg)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         seed = cfg.seed
