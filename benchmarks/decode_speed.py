@@ -4,7 +4,9 @@
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
 
 Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/fwd, and the draft's
-share of a speculative step (a step with the draft vs the same verify with given drafts). CPU
+share of a speculative step (the draft's block pass vs the verify that follows it). With
+`--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
+t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. CPU
 numbers are only meaningful as ratios; absolute times only from a GPU.
 """
 
@@ -23,7 +25,9 @@ _BATCHES = flags.DEFINE_string("batch_sizes", "1,8", "comma-separated batch size
 _N = flags.DEFINE_integer("num_prompts", 16, "GSM8K test prompts per batch size")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "param dtype")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
+                           "param dtype (XLA:CPU runs bf16 matmuls slower than f32)")
+_SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 
 
@@ -52,9 +56,7 @@ def _timed(fn):
 
 def main(argv):
     del argv
-    import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from dspark_jax import generate, load_target
     from dspark_jax.data.benchmarks import load_gsm8k
@@ -67,59 +69,82 @@ def main(argv):
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
-        for name, d in (("plain", None), ("speculative", draft)):
-            # warm-up compiles every shape this run uses
-            generate(target, d, prompts[:b], max_new_tokens=_NEW.value, num_speculative_tokens=_T.value)
+        eng = _engine(target, draft, _T.value, 0.0, 1.0, "auto", 16)
+        share, cost = _step_costs(eng, b)
+        row["draft_share_of_step"] = share
+        variants = [("plain", None, False), ("speculative", draft, False)]
+        if _SCHED.value:
+            variants.append(("scheduled", draft, cost))
+            row["verify_cost"] = {"fixed": cost.fixed, "per_token": cost.per_token}
+        for name, d, sched in variants:
+            run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
+                                      confidence_schedule=sched)
+            run(prompts[:b])               # warm-up compiles every shape this run uses
             produced, elapsed, stats = 0, 0.0, None
             for i in range(0, len(prompts), b):
-                res, dt = _timed(lambda: generate(target, d, prompts[i:i + b], max_new_tokens=_NEW.value,
-                                                   num_speculative_tokens=_T.value))
+                res, dt = _timed(lambda: run(prompts[i:i + b]))
                 produced += sum(len(o.token_ids) for o in res.outputs)
                 elapsed += dt
                 stats = res.stats if stats is None else _merge(stats, res.stats)
             row[f"{name}_tokens_per_s"] = produced / elapsed
-            if name == "speculative":
-                row["tok_per_fwd"] = stats["average_tokens_per_forward"]
+            if d is not None:
+                row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
+                row[f"{name}_drafts_verified_per_step"] = stats["total_draft_tokens"] / max(stats["num_verify_steps"], 1)
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
-        row["draft_share_of_step"] = _draft_share(target, draft, b, jax, jnp, np, _engine)
+        line = (f"batch {b}: plain {row['plain_tokens_per_s']:.1f} tok/s | speculative "
+                f"{row['speculative_tokens_per_s']:.1f} tok/s | ratio {row['speedup']:.2f}x | "
+                f"tok/fwd {row['speculative_tok_per_fwd']:.2f} | draft share of a step {share:.1%}")
+        if _SCHED.value:
+            row["scheduled_speedup"] = row["scheduled_tokens_per_s"] / row["plain_tokens_per_s"]
+            line += (f" | scheduled {row['scheduled_tokens_per_s']:.1f} tok/s ({row['scheduled_speedup']:.2f}x, "
+                     f"tok/fwd {row['scheduled_tok_per_fwd']:.2f}, "
+                     f"{row['scheduled_drafts_verified_per_step']:.2f} drafts verified/step)")
         results.append(row)
-        print(f"batch {b}: plain {row['plain_tokens_per_s']:.1f} tok/s | speculative "
-              f"{row['speculative_tokens_per_s']:.1f} tok/s | ratio {row['speedup']:.2f}x | "
-              f"tok/fwd {row['tok_per_fwd']:.2f} | draft share of a step {row['draft_share_of_step']:.1%}",
-              flush=True)
+        print(line, flush=True)
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(results, indent=2))
 
 
 def _merge(a, b):
-    steps_a, steps_b = a["num_verify_steps"], b["num_verify_steps"]
-    acc = a["total_accepted_tokens"] + b["total_accepted_tokens"]
-    n = steps_a + steps_b
-    return {"num_verify_steps": n, "total_accepted_tokens": acc,
-            "average_tokens_per_forward": 1 + acc / n if n else 1.0}
+    keys = ("num_verify_steps", "total_accepted_tokens", "total_draft_tokens")
+    out = {k: a[k] + b[k] for k in keys}
+    n = out["num_verify_steps"]
+    out["average_tokens_per_forward"] = 1 + out["total_accepted_tokens"] / n if n else 1.0
+    return out
 
 
-def _draft_share(target, draft, b, jax, jnp, np, engine_for) -> float:
-    """Time one speculative step vs the same verify with the drafts given (no draft pass)."""
-    eng = engine_for(target, draft, _T.value, 0.0, 1.0, "auto", 16)
-    max_len = 512
+def _step_costs(eng, b: int, reps: int = 5):
+    """(the draft's share of a step, the fitted VerifyCost) from timed steps on a fresh cache:
+    the block pass alone, and verify steps with given drafts of width T and 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.schedule import VerifyCost
+
+    t, max_len = eng.t, 512
     caches = eng.new_caches(b, max_len)
-    x0 = jnp.ones((b,), jnp.int32)
-    lens = jnp.full((b,), 100, jnp.int32)
-    active = jnp.ones((b,), bool)
-    key = jax.random.PRNGKey(0)
-    given = jnp.ones((b, _T.value), jnp.int32)
+    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), 100, jnp.int32)
+    active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
 
-    def run(g):
-        out = eng._step(eng.t_state, eng.d_state, x0, g, lens, active, jnp.int32(max_len), caches, key)
+    def propose():
+        nonlocal caches
+        *out, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key)
         jax.block_until_ready(out)
 
-    for g in (None, given):
-        run(g)
-    reps = 5
-    _, with_draft = _timed(lambda: [run(None) for _ in range(reps)])
-    _, verify_only = _timed(lambda: [run(given) for _ in range(reps)])
-    return max(0.0, 1.0 - verify_only / with_draft)
+    def verify(width):
+        nonlocal caches
+        given = jnp.ones((b, width), jnp.int32)
+        *out, caches = eng._step(eng.t_state, eng.d_state, x0, given, lens, active, jnp.int32(max_len), caches, key)
+        jax.block_until_ready(out)
+
+    def timed(fn):
+        fn()                                   # compile
+        return _timed(lambda: [fn() for _ in range(reps)])[1] / reps
+
+    t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
+    per_token = max(t_full - t_one, 0.0) / (b * t)
+    fixed = max(t_one - per_token * b, 1e-9)
+    return t_draft / (t_draft + t_full), VerifyCost(fixed, per_token)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@
 
 On a GPU (CUDA or ROCm) every kernel is compiled with the Triton lowering, compared with its
 reference on K3-like shapes (MLA: 64 / 96 heads, 512 + 64 latent, pages of 128, bf16 and fp8
-caches; KDA: 96 heads of 128; draft training: 64 heads, blocks of 7) and timed; one line per
-shape with both times and the kernel / reference ratio. Without a GPU it says so, lowers every
-kernel to Triton IR for CUDA and ROCm at those shapes (no GPU needed for that step), and compares
-kernels with references in interpret mode on tiny shapes. Exit status 1 on any mismatch or error.
+caches; KDA: 96 heads of 128; draft training: 64 heads, blocks of 7, forward and backward, also in
+the latent form training calls) and timed; one line per shape with both times and the kernel /
+reference ratio. Without a GPU it says so, lowers every kernel to Triton IR for CUDA and ROCm at
+those shapes (no GPU needed for that step), and compares kernels with references in interpret mode
+on tiny shapes. Exit status 1 on any mismatch or error.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 from absl import app, flags
 
 from dspark_jax.cache import FP8
-from dspark_jax.kernels.block_sparse import block_sparse_kernel, block_sparse_reference
+from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_reference, multi_anchor_kernel,
+                                             multi_anchor_reference)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
@@ -172,7 +174,31 @@ def block_sparse_cases(tiny: bool, interpret: bool) -> list[Case]:
                         for bq, bk, nw in tiles}),
             Case("block_sparse", f"fwd+bwd B{b} A{a} T{t} S{s} N{n}", grad(kern()), grad(ref), args,
                  _tol(tiny, 5e-2), {f"bq{bq}_bk{bk}_w{nw}": grad(kern(block_q=bq, block_k=bk, num_warps=nw))
-                        for bq, bk, nw in tiles})]
+                        for bq, bk, nw in tiles}),
+            _training_case(tiny, interpret, tiles)]
+
+
+def _training_case(tiny: bool, interpret: bool, tiles) -> Case:
+    """What training runs per draft layer (dispatch.block_sparse_attention, forward + backward
+    into queries, latent rows and kv_b_proj): the kernel path (rows lifted to heads once per
+    sequence) against training's own reference (absorbed MLA, one batch row per block).
+    GPU: the K3 draft's default 512 anchors of 7 over a 2048-token sequence."""
+    b, a, t, s, n, c = (1, 10, 7, 64, 2, 512) if tiny else (1, 512, 7, 2048, 64, 512)
+    h, r, v = 128, 64, 128
+    rng = np.random.default_rng(4)
+    dt = jnp.float32 if tiny else jnp.bfloat16
+    anchors = np.sort(rng.choice(s - 1, size=(b, a), replace=False), axis=1)
+    ctx_len = jnp.asarray(np.where(rng.random((b, a)) < 0.9, anchors, 0), jnp.int32)   # 0: dropped
+    args = (_rand(rng, (b, a, t, n, h), dt), _rand(rng, (b, a, t, n, r), dt), _rand(rng, (b, s, c + r), dt),
+            _rand(rng, (b, a, t, c + r), dt), _rand(rng, (n, h, c), dt, c ** -0.5),
+            _rand(rng, (n, v, c), dt, c ** -0.5))
+    w = _rand(rng, (b, a, t, n, v))
+    scale = (h + r) ** -0.5
+    grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w), argnums=tuple(range(6))))
+    kern = lambda **kw: grad(lambda *x: multi_anchor_kernel(*x, ctx_len, scale, interpret=interpret, **kw))
+    return Case("block_sparse", f"train fwd+bwd B{b} A{a} T{t} S{s} N{n}", kern(),
+                grad(lambda *x: multi_anchor_reference(*x, ctx_len, scale)), args, _tol(tiny, 5e-2),
+                {f"bq{bq}_bk{bk}_w{nw}": kern(block_q=bq, block_k=bk, num_warps=nw) for bq, bk, nw in tiles})
 
 
 GROUPS = {"mla_paged": mla_paged_cases, "mla_prefill": mla_prefill_cases, "kda": kda_cases,

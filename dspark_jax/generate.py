@@ -4,13 +4,17 @@ One loop for both plain and speculative decoding: prefill, then steps that (if a
 given) propose T drafts from the shared cache, verify `[x0, d_1..d_T]` in one target forward,
 accept, commit the KDA snapshot of the last accepted token and write the verified tokens' draft
 context rows. `draft=None` or `num_speculative_tokens=0` is plain decoding: T = 0, the same code.
+
+`Engine` holds the jitted prefill/step functions; `Batcher` is the one scheduling loop
+(continuous batching over cache slots) that `generate()`, the HTTP server and the benchmark share.
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,8 @@ from flax import nnx
 
 from dspark_jax import steps
 from dspark_jax.cache import KDAStates, PagedPool, storage_dtype
+from dspark_jax.kernels.dispatch import kernel_mode
+from dspark_jax.schedule import VerifyCost, verify_lengths
 
 # model -> directory it was loaded from (to find its tokenizer)
 _SOURCES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -49,9 +55,9 @@ class SpecStats:
         self.distribution = self.distribution or [0] * (t + 1)
         self.accepted_at_position = self.accepted_at_position or [0] * t
 
-    def update(self, n: int) -> None:
-        """One verify step in which T drafts were scored and n accepted."""
-        self.total_draft_tokens += self.num_speculative_tokens
+    def update(self, n: int, verified: int | None = None) -> None:
+        """One verify step in which `verified` drafts (default T) were scored and n accepted."""
+        self.total_draft_tokens += self.num_speculative_tokens if verified is None else verified
         self.total_accepted_tokens += n
         self.distribution[n] += 1
         for k in range(n):
@@ -119,23 +125,36 @@ def _row_width(target) -> int:
 
 
 class Engine:
-    """Holds split models and jitted prefill/step functions."""
+    """Split models and the jitted prefill/step functions for one (target, draft, T, cache) setting.
 
-    def __init__(self, target, draft, num_speculative_tokens: int, temperature: float, top_p: float,
-                 kv_cache_dtype: str = "auto", page_size: int = 16):
+    Sampling settings are static arguments of the jitted functions (one compilation per distinct
+    (temperature, top_p)); `temperature`/`top_p` given here are the defaults (`run`, and calls
+    that pass none)."""
+
+    def __init__(self, target, draft, num_speculative_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, kv_cache_dtype: str = "auto", page_size: int = 16,
+                 schedule: VerifyCost | None = None):
         self.target, self.draft = target, draft
         self.t = num_speculative_tokens
-        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.temperature, self.top_p = sampling_key(temperature, top_p)
         self.page_size = page_size
         self.compute_dtype = target.dtype
         self.store_dtype = storage_dtype(kv_cache_dtype, self.compute_dtype)
         if draft is not None:
             self._check_pair(target, draft)
+        if schedule is not None and (draft is None or not draft.cfg.enable_confidence_head):
+            raise RequestError("the confidence schedule needs a draft with a confidence head "
+                               "(enable_confidence_head in its config.json)")
+        self.schedule = schedule
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)
         self.d_graph, self.d_state = nnx.split(draft) if draft is not None else (None, None)
-        self._prefill = jax.jit(self._prefill_impl)
-        self._step = jax.jit(self._step_impl)
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("temperature", "top_p", "span"),
+                                donate_argnames=("caches",))
+        self._step = jax.jit(self._step_impl, static_argnames=("temperature", "top_p", "span"),
+                             donate_argnames=("caches",))
+        self._propose = jax.jit(self._propose_impl, static_argnames=("temperature", "top_p", "span"),
+                                donate_argnames=("caches",))
 
     @staticmethod
     def _check_pair(target, draft) -> None:
@@ -166,127 +185,349 @@ class Engine:
         return steps.TargetCaches(pool, kda)
 
     # -- jitted bodies ----------------------------------------------------------------------
+    def _sampling(self, temperature: float | None, top_p: float | None) -> tuple[float, float]:
+        """A call's static sampling setting; None: the engine's defaults."""
+        return sampling_key(self.temperature if temperature is None else temperature,
+                            self.top_p if top_p is None else top_p)
+
     def _models(self, t_state, d_state):
         target = nnx.merge(self.t_graph, t_state)
         draft = nnx.merge(self.d_graph, d_state) if self.d_graph is not None else None
         return target, draft
 
-    def _prefill_impl(self, t_state, d_state, tokens_BS, lens_B, caches, key):
+    def _prefill_impl(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *,
+                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = batch size,
+        length 0) while the other slots keep their state: only the new rows run. They see the
+        pool through their own block-table rows, start from zero KDA state (whatever the slot
+        held before) and their new KDA states are scattered back into their slots."""
         target, draft = self._models(t_state, d_state)
-        b, s = tokens_BS.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        valid = positions < lens_B[:, None]
-        out, caches, _ = steps.target_forward(target, tokens_BS, positions, valid, caches, self.aux_ids,
-                                              verify=False)
-        last = jnp.take_along_axis(out.logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-        first = steps.sample_tokens(last, self.temperature, self.top_p, key)
+        temperature, top_p = self._sampling(temperature, top_p)
+        p, s = tokens_PS.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
+        valid = positions < lens_P[:, None]
+        full_table = caches.pool.block_table
+        table = _span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
+        sub = steps.TargetCaches(
+            caches.pool._replace(block_table=table),
+            None if caches.kda is None else KDAStates(
+                jnp.zeros((caches.kda.conv.shape[0], p) + caches.kda.conv.shape[2:], caches.kda.conv.dtype),
+                jnp.zeros((caches.kda.ssm.shape[0], p) + caches.kda.ssm.shape[2:], caches.kda.ssm.dtype)))
+        out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids,
+                                           verify=False)
+        last = jnp.take_along_axis(out.logits, jnp.maximum(lens_P - 1, 0)[:, None, None], axis=1)[:, 0]
+        first = steps.sample_tokens(last, temperature, top_p, key)
+        pool = sub.pool
         if draft is not None:
-            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
-                                       _attention_rows(target))
-            caches = caches._replace(pool=pool)
-        return first, caches
+            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, _attention_rows(target))
+        kda = caches.kda
+        if kda is not None:   # padding rows (slot out of range) are dropped
+            kda = KDAStates(kda.conv.at[:, slots_P].set(sub.kda.conv, mode="drop"),
+                            kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
+        return first, steps.TargetCaches(pool._replace(block_table=full_table), kda)
 
-    def _step_impl(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key):
-        """One propose/verify step. `given_drafts_BT` (an external proposer's drafts, greedy
-        only) replaces the draft model's block pass."""
+    def _propose_impl(self, t_state, d_state, x0_B, lens_B, caches, key, *,
+                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """The draft's block pass alone (the confidence schedule looks at it before verifying)."""
         target, draft = self._models(t_state, d_state)
-        t = self.t
+        temperature, top_p = self._sampling(temperature, top_p)
+        full_table = caches.pool.block_table
+        pool = caches.pool._replace(block_table=_span_table(full_table, caches.pool.page_size, span))
+        embed, head = _embed_and_head(target)
+        prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, _attention_rows(target), self.t,
+                                 temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
+        caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
+        return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, caches
+
+    def _step_impl(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
+                   given_logits_BTV=None, limit_B=None,
+                   temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """One propose/verify step over every slot; inactive rows write nothing and keep their
+        KDA state. `given_drafts_BT` (their width is the step's T) replaces the draft model's block
+        pass: an external proposer's drafts (greedy only), or `_propose`'s output cut to the
+        schedule's widest row, with its logits (for sampling) and `limit_B` drafts per row.
+        `span` (a page multiple >= every active length + T + 1) bounds the positions attention
+        reads, so a step costs what the sequences hold, not max_len."""
+        target, draft = self._models(t_state, d_state)
+        temperature, top_p = self._sampling(temperature, top_p)
+        full_table = caches.pool.block_table
+        caches = caches._replace(pool=caches.pool._replace(
+            block_table=_span_table(full_table, caches.pool.page_size, span)))
         k_draft, k_acc = jax.random.split(key)
         b = x0_B.shape[0]
+        draft_logits = given_logits_BTV
         if given_drafts_BT is not None:
             drafts = given_drafts_BT
-            tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
         elif draft is not None:
             embed, head = _embed_and_head(target)
-            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, _attention_rows(target), t,
-                                     temperature=self.temperature, top_p=self.top_p,
-                                     key=k_draft if self.temperature > 0 else None)
-            drafts = prop.tokens_BT
-            tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
+            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, _attention_rows(target), self.t,
+                                     temperature=temperature, top_p=top_p,
+                                     key=k_draft if temperature > 0 else None)
+            drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
         else:
             drafts = jnp.zeros((b, 0), x0_B.dtype)
-            tokens = x0_B[:, None]
+        t = drafts.shape[1]
+        tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
         positions = lens_B[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None]
         valid = active_B[:, None] & (positions < max_len)
         out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
                                                   verify=True)
         room = jnp.maximum(max_len - lens_B - 1, 0)
-        if self.temperature > 0 and given_drafts_BT is None and draft is not None:
-            acc = steps.accept_sampling(out.logits, prop.logits_BTV, drafts, self.temperature, self.top_p,
-                                        k_acc, limit_B=room)
-        elif self.temperature > 0:
-            tok = steps.sample_tokens(out.logits[:, 0], self.temperature, self.top_p, k_acc)
+        limit = room if limit_B is None else jnp.minimum(room, limit_B)
+        if temperature > 0 and draft_logits is not None and t > 0:
+            acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature, top_p, k_acc, limit_B=limit)
+        elif temperature > 0:
+            tok = steps.sample_tokens(out.logits[:, 0], temperature, top_p, k_acc)
             acc = steps.Acceptance(jnp.zeros((b,), jnp.int32), tok[:, None])
         else:
-            acc = steps.accept_greedy(out.logits, drafts, limit_B=room)
+            acc = steps.accept_greedy(out.logits, drafts, limit_B=limit)
         n = jnp.where(active_B, acc.num_accepted_B, 0)
         if snaps is not None:
-            kda = steps.commit_kda(caches.kda, snaps, n)
-            # inactive rows: snapshots equal the old state (nothing valid), so committing is a no-op
-            caches = caches._replace(kda=kda)
+            # inactive rows: every snapshot equals the old state (nothing valid), so this keeps it
+            caches = caches._replace(kda=steps.commit_kda(caches.kda, snaps, n))
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
                                        _attention_rows(target))
             caches = caches._replace(pool=pool)
-        return n, acc.emitted_BT1, caches
+        return n, acc.emitted_BT1, caches._replace(pool=caches.pool._replace(block_table=full_table))
 
-    # -- host loop --------------------------------------------------------------------------
+    # -- static batch (tests, generate) ----------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, max_len: int, eos_ids: set[int],
             stop_check, seed: int, proposer=None) -> list[tuple[list[int], str, SpecStats]]:
-        """`proposer(i, tokens_so_far, T) -> T token ids` (host side, greedy verification only)
+        """All prompts in one batch with the engine's default sampling, through `Batcher`.
+        `proposer(i, tokens_so_far, T) -> T token ids` (host side, greedy verification only)
         replaces the draft model, e.g. an oracle in tests."""
-        b = len(prompts)
-        lens = np.array([len(p) for p in prompts], np.int32)
-        s = _bucket(int(lens.max()))
-        tokens = np.zeros((b, s), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-        caches = self.new_caches(b, max_len)
-        key = jax.random.PRNGKey(seed)
-        key, sub = jax.random.split(key)
-        x0, caches = self._prefill(self.t_state, self.d_state, jnp.asarray(tokens), jnp.asarray(lens), caches, sub)
-        x0 = np.array(x0)
-        outs: list[list[int]] = [[int(x0[i])] for i in range(b)]
-        stats = [SpecStats(self.t) for _ in range(b)]
-        finish = [None] * b
-        for i in range(b):
-            finish[i] = self._finished(outs[i], max_new_tokens, eos_ids, stop_check)
-        while not all(finish):
-            active = np.array([f is None for f in finish])
-            key, sub = jax.random.split(key)
-            given = None
-            if proposer is not None:
-                given = jnp.asarray([proposer(i, outs[i], self.t) if active[i] else [0] * self.t
-                                     for i in range(b)], jnp.int32).reshape(b, self.t)
-            n, emitted, caches = self._step(self.t_state, self.d_state, jnp.asarray(x0), given,
-                                            jnp.asarray(lens), jnp.asarray(active), jnp.int32(max_len),
-                                            caches, sub)
-            n, emitted = np.asarray(n), np.asarray(emitted)
-            for i in range(b):
-                if not active[i]:
-                    continue
-                if self.t:
-                    stats[i].update(int(n[i]))
-                new = [int(x) for x in emitted[i, :n[i] + 1]]
-                lens[i] += n[i] + 1
-                x0[i] = new[-1]
-                for tok in new:
-                    outs[i].append(tok)
-                    finish[i] = self._finished(outs[i], max_new_tokens, eos_ids, stop_check)
-                    if finish[i]:
-                        break
-                if finish[i] is None and lens[i] >= max_len:
-                    finish[i] = "length"       # the next anchor has no cache position left
-        self.last_caches = caches          # final cache state, for inspection in tests
-        return [(outs[i], finish[i], stats[i]) for i in range(b)]
+        batcher = Batcher(self, len(prompts), max_len, seed=seed, proposer=proposer)
+        reqs = [Request(list(p), max_new_tokens, self.temperature, self.top_p, frozenset(eos_ids), stop_check,
+                        index=i) for i, p in enumerate(prompts)]
+        batcher.run(reqs)
+        self.last_caches = batcher.caches          # final cache state, for inspection in tests
+        return [(r.tokens, r.finish_reason, r.stats) for r in reqs]
 
-    @staticmethod
-    def _finished(out, max_new_tokens, eos_ids, stop_check) -> str | None:
-        if out[-1] in eos_ids or stop_check(out):
-            return "stop"
-        if len(out) >= max_new_tokens:
-            return "length"
-        return None
+
+def _span_table(table, page_size: int, span: int | None):
+    """The first pages of a block table that cover `span` positions (None: all of them)."""
+    return table if span is None else table[:, :-(-span // page_size)]
+
+
+def sampling_key(temperature: float, top_p: float) -> tuple[float, float]:
+    """The static sampling setting of a compiled step (top_p is irrelevant when greedy)."""
+    return (0.0, 1.0) if temperature <= 0 else (float(temperature), float(top_p))
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the batcher: its prompt, limits and sampling, and what it produced."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    eos_ids: frozenset[int] = frozenset()
+    stop_check: Callable[[list[int]], bool] | None = None
+    index: int = 0                         # the caller's tag (the prompt index for a proposer)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None       # "stop", "length" or "abort" once finished
+    stats: SpecStats | None = None
+    slot: int | None = None
+
+    @property
+    def sampling(self) -> tuple[float, float]:
+        return sampling_key(self.temperature, self.top_p)
+
+
+class Batcher:
+    """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
+
+    Each `step()` admits waiting requests into free slots (one prefill of just the new rows; the
+    other slots' caches are untouched) and then runs one propose/verify step over the occupied
+    slots. Slots whose requests use another sampling setting sit that step out (they are
+    inactive rows) and go next, round robin. Finished or aborted requests free their slot at
+    once. `generate()`, the HTTP server and the benchmark all drive this loop."""
+
+    def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None):
+        if max_num_seqs < 1:
+            raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.engine, self.num_slots, self.max_len = engine, max_num_seqs, max_len
+        self.caches = engine.new_caches(max_num_seqs, max_len)
+        self.slots: list[Request | None] = [None] * max_num_seqs
+        self.lens = np.zeros(max_num_seqs, np.int32)       # tokens in the cache (= next position)
+        self.x0 = np.zeros(max_num_seqs, np.int32)         # last emitted token, the next anchor
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.stats = SpecStats(engine.t)                   # cumulative over every request
+        self.num_steps = 0                                 # verify/decode steps run
+        self.proposer = proposer
+        self._key = jax.random.PRNGKey(seed)
+        self._turn = 0
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.num_running > 0
+
+    def check(self, req: Request) -> None:
+        """Raise RequestError if `req` can never run in this batcher."""
+        if not req.prompt:
+            raise RequestError("the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        need = len(req.prompt) + self.engine.t + 1
+        if need > self.max_len:
+            raise RequestError(f"prompt of {len(req.prompt)} tokens (+{self.engine.t + 1} for one verify "
+                               f"step) exceeds max_model_len={self.max_len}")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        req.stats = SpecStats(self.engine.t)
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """Drop a request (waiting or running); its slot is free for the next step."""
+        if req.finish_reason is not None:
+            return
+        req.finish_reason = "abort"
+        if req.slot is not None:
+            self.slots[req.slot] = None
+            req.slot = None
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def run(self, reqs: Sequence[Request]) -> list[Request]:
+        """Add `reqs` and step until every one of them has finished."""
+        for r in reqs:
+            self.add(r)
+        while any(r.finish_reason is None for r in reqs):
+            self.step()
+        return list(reqs)
+
+    def step(self) -> list[Request]:
+        """Admit, then one decode step. Returns the requests that got tokens (or finished).
+        If a step raises, the running requests are aborted and the caches rebuilt (a failed
+        call may have consumed the donated cache buffers); waiting requests stay queued."""
+        try:
+            touched = self._admit()
+            for r in self._decode():
+                if r not in touched:
+                    touched.append(r)
+        except Exception:
+            for r in self.slots:
+                if r is not None:
+                    self._finish(r, "abort")
+            self.caches = self.engine.new_caches(self.num_slots, self.max_len)
+            raise
+        return touched
+
+    def _span(self, n: int) -> int | None:
+        """Positions a step must see, bucketed to powers of two (few compilations); None = all."""
+        span = max(_pow2(n), 64)
+        return None if span >= self.max_len else span
+
+    def _next_key(self) -> jax.Array:
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+    def _admit(self) -> list[Request]:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        new: list[Request] = []
+        while free and self.waiting:
+            req = self.waiting.popleft()
+            req.slot = free.pop(0)
+            self.slots[req.slot] = req
+            new.append(req)
+        groups: dict[tuple[float, float], list[Request]] = {}
+        for r in new:
+            groups.setdefault(r.sampling, []).append(r)
+        eng = self.engine
+        for (temperature, top_p), reqs in groups.items():
+            p = min(_pow2(len(reqs)), self.num_slots)
+            s = _bucket(max(len(r.prompt) for r in reqs))
+            tokens = np.zeros((p, s), np.int32)
+            lens = np.zeros(p, np.int32)
+            slots = np.full(p, self.num_slots, np.int32)      # padding rows: out of range, dropped
+            for j, r in enumerate(reqs):
+                tokens[j, :len(r.prompt)] = r.prompt
+                lens[j], slots[j] = len(r.prompt), r.slot
+            first, self.caches = eng._prefill(eng.t_state, eng.d_state, jnp.asarray(tokens), jnp.asarray(lens),
+                                              jnp.asarray(slots), self.caches, self._next_key(),
+                                              temperature=temperature, top_p=top_p, span=self._span(s))
+            first = np.asarray(first)
+            for j, r in enumerate(reqs):
+                self.lens[r.slot], self.x0[r.slot] = lens[j], first[j]
+                r.tokens.append(int(first[j]))
+                self._maybe_finish(r)
+        return new
+
+    def _decode(self) -> list[Request]:
+        running = [s for s in self.slots if s is not None]
+        if not running:
+            return []
+        groups = list(dict.fromkeys(r.sampling for r in running))
+        temperature, top_p = groups[self._turn % len(groups)]
+        self._turn += 1
+        active = np.array([s is not None and s.sampling == (temperature, top_p) for s in self.slots])
+        eng, t = self.engine, self.engine.t
+        span = self._span(int(self.lens[active].max()) + t + 1)
+        given = logits = limits = None
+        if self.proposer is not None:
+            given = jnp.asarray([self.proposer(s.index, s.tokens, t) if active[i] else [0] * t
+                                 for i, s in enumerate(self.slots)], jnp.int32).reshape(self.num_slots, t)
+        elif eng.schedule is not None:
+            given, logits, conf, self.caches = eng._propose(
+                eng.t_state, eng.d_state, jnp.asarray(self.x0), jnp.asarray(self.lens), self.caches,
+                self._next_key(), temperature=temperature, top_p=top_p, span=span)
+            lengths = np.zeros(self.num_slots, np.int32)
+            lengths[active] = verify_lengths(np.asarray(conf)[active], eng.schedule)
+            width = int(lengths.max())     # the step verifies x0 + `width` drafts (T+1 compilations)
+            given, limits = given[:, :width], jnp.asarray(lengths)
+            logits = logits[:, :width] if temperature > 0 else None
+        n, emitted, self.caches = eng._step(eng.t_state, eng.d_state, jnp.asarray(self.x0), given,
+                                            jnp.asarray(self.lens), jnp.asarray(active), jnp.int32(self.max_len),
+                                            self.caches, self._next_key(), given_logits_BTV=logits, limit_B=limits,
+                                            temperature=temperature, top_p=top_p, span=span)
+        self.num_steps += 1
+        n, emitted = np.asarray(n), np.asarray(emitted)
+        touched = []
+        for i, r in enumerate(self.slots):
+            if not active[i]:
+                continue
+            if t:
+                verified = t if limits is None else int(lengths[i])
+                r.stats.update(int(n[i]), verified)
+                self.stats.update(int(n[i]), verified)
+            new = [int(x) for x in emitted[i, :n[i] + 1]]
+            self.lens[i] += n[i] + 1
+            self.x0[i] = new[-1]
+            for tok in new:
+                r.tokens.append(tok)
+                if self._maybe_finish(r):
+                    break
+            if r.finish_reason is None and self.lens[i] >= self.max_len:
+                self._finish(r, "length")      # the next anchor has no cache position left
+            touched.append(r)
+        return touched
+
+    def _maybe_finish(self, r: Request) -> bool:
+        out = r.tokens
+        if out[-1] in r.eos_ids or (r.stop_check is not None and r.stop_check(out)):
+            self._finish(r, "stop")
+        elif len(out) >= r.max_new_tokens:
+            self._finish(r, "length")
+        return r.finish_reason is not None
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        self.slots[r.slot] = None
+        r.slot = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _bucket(n: int) -> int:
@@ -305,13 +546,16 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              temperature: float = 0.0, top_p: float = 1.0, num_speculative_tokens: int = 7,
              stop: Sequence[str] | None = None, seed: int = 0, chat: bool = True, *,
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
-             page_size: int = 16, engine: Engine | None = None, proposer=None) -> GenerateResult:
+             page_size: int = 16, engine: Engine | None = None, proposer=None,
+             confidence_schedule: bool | VerifyCost = False) -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
     or a preset name). `prompts`: strings, chat message lists (`[{"role","content"}]`) or token-id
     lists. With `chat=True` strings are wrapped as one user turn and rendered with the target's
     chat template. `draft=None` or `num_speculative_tokens=0` decodes without speculation.
+    `confidence_schedule` (True or a `VerifyCost`) lets the draft's confidence head choose how many
+    drafts each step verifies (spec E.6); off by default, as in ATOM for Kimi-K3-DSpark.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -336,10 +580,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
         prompts = [prompts]
     if not prompts:
         raise RequestError("prompts: at least one prompt is required")
-    if tokenizer is None and target in _SOURCES:
-        from dspark_jax.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(_SOURCES[target])
-    ids = [_encode(p, tokenizer, chat, i) for i, p in enumerate(prompts)]
+    if tokenizer is None:
+        tokenizer = tokenizer_for(target)
+    ids = [encode_prompt(p, tokenizer, chat, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
     t = num_speculative_tokens if (draft is not None or proposer is not None) else 0
     longest = max(len(p) for p in ids)
@@ -348,34 +591,25 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
         if len(p) + t + 1 > limit:
             raise RequestError(f"prompts[{i}]: {len(p)} tokens (+{t + 1} for one verify step) exceed "
                                f"max_model_len={limit}")
-    # bucketed so repeated calls reuse compiled steps
-    max_len = min(limit, -(-(longest + max_new_tokens + t + 1) // 128) * 128)
-    eos = set()
-    if target.cfg.eos_token_id is not None:
-        eos.add(int(target.cfg.eos_token_id))
-    if tokenizer is not None:
-        eos |= set(tokenizer.eos_token_ids)
+    # bucketed (powers of two) so repeated calls reuse compiled steps
+    max_len = min(limit, max(128, _pow2(longest + max_new_tokens + t + 1)))
+    eos = frozenset(eos_ids(target, tokenizer))
     stops = list(stop or [])
+    check = stop_checker(stops, tokenizer)
 
-    def stop_check(out: list[int]) -> bool:
-        if not stops or tokenizer is None:
-            return False
-        text = tokenizer.decode(out)
-        return any(s in text for s in stops)
-
+    schedule = None
+    if confidence_schedule and draft is not None:
+        schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()
     if engine is None:
-        engine = _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size)
-    results = engine.run(ids, max_new_tokens, max_len, eos, stop_check, seed, proposer)
+        engine = _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule)
+    batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer)
+    reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
+                        for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
-    for p, (toks, reason, st) in zip(ids, results):
-        total.merge(st)
-        text = None
-        if tokenizer is not None:
-            text = tokenizer.decode([x for x in toks if x not in eos])
-            for s in stops:
-                if s in text:
-                    text = text[:text.index(s)]
-        outputs.append(RequestOutput(text, toks, reason, p, st.to_dict()))
+    for r in reqs:
+        total.merge(r.stats)
+        text = output_text(r.tokens, tokenizer, eos, stops) if tokenizer is not None else None
+        outputs.append(RequestOutput(text, r.tokens, r.finish_reason, r.prompt, r.stats.to_dict()))
     return GenerateResult(outputs, total.to_dict())
 
 
@@ -383,13 +617,60 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 _ENGINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size) -> Engine:
+def _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule=None) -> Engine:
     per_target = _ENGINES.setdefault(target, {})
-    key = (id(draft), t, float(temperature), float(top_p), kv_cache_dtype, page_size)
+    # the kernel mode is read when a step is traced, so it is part of what a compiled engine is
+    key = (id(draft), t, *sampling_key(temperature, top_p), kv_cache_dtype, page_size, schedule, kernel_mode())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:
-        eng = per_target[key] = Engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size)
+        eng = per_target[key] = Engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule)
     return eng
+
+
+# ---------------------------------------------------------------------------------------------
+# request helpers shared with the server and the benchmark
+
+
+def tokenizer_for(target):
+    """The tokenizer of a target loaded with `load_target` (None if its directory is unknown)."""
+    if target not in _SOURCES:
+        return None
+    from dspark_jax.tokenizer import load_tokenizer
+    return load_tokenizer(_SOURCES[target])
+
+
+def eos_ids(target, tokenizer) -> set[int]:
+    """Every token id that ends generation: the config's and the tokenizer's."""
+    eos = set()
+    if target.cfg.eos_token_id is not None:
+        eos.add(int(target.cfg.eos_token_id))
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    return eos
+
+
+def stop_checker(stops: Sequence[str], tokenizer) -> Callable[[list[int]], bool] | None:
+    """A per-token check 'does the decoded output contain a stop string'. It runs after every
+    token, so a stop string first shows up at the tail: only a window of tokens wide enough for
+    the longest stop string (each token decodes to at least a byte) is decoded, not the whole
+    output."""
+    if not stops or tokenizer is None:
+        return None
+    window = 2 * max(len(s.encode()) for s in stops) + 8
+
+    def check(out: list[int]) -> bool:
+        text = tokenizer.decode(out[-window:])
+        return any(s in text for s in stops)
+    return check
+
+
+def output_text(tokens: Sequence[int], tokenizer, eos: frozenset[int] | set[int], stops: Sequence[str]) -> str:
+    """The text of generated tokens: end-of-sequence ids dropped, cut before the first stop string."""
+    text = tokenizer.decode([x for x in tokens if x not in eos])
+    for s in stops:
+        if s in text:
+            text = text[:text.index(s)]
+    return text
 
 
 def _default_max_len(target) -> int:
@@ -397,20 +678,22 @@ def _default_max_len(target) -> int:
     return int(getattr(cfg, "max_position_embeddings", 0) or 4096)
 
 
-def _encode(prompt, tokenizer, chat: bool, i: int) -> list[int]:
+def encode_prompt(prompt, tokenizer, chat: bool, where: str = "prompt") -> list[int]:
+    """Token ids of a prompt: token ids as given, a string (wrapped as one user turn and rendered
+    with the chat template when `chat`) or a list of `{"role", "content"}` messages."""
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, (int, np.integer)) for x in prompt):
         return [int(x) for x in prompt]
     if tokenizer is None:
-        raise RequestError(f"prompts[{i}]: text prompts need a tokenizer (pass tokenizer= or load the "
+        raise RequestError(f"{where}: text prompts need a tokenizer (pass tokenizer= or load the "
                            "target with load_target so its tokenizer is found)")
     if isinstance(prompt, str):
         if not chat:
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
-    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         for j, m in enumerate(prompt):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RequestError(f"prompts[{i}][{j}]: a message needs string 'role' and 'content'")
+                raise RequestError(f"{where}[{j}]: a message needs string 'role' and 'content'")
         text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         return tokenizer.encode(text)
-    raise RequestError(f"prompts[{i}]: expected a string, a list of messages or a list of token ids")
+    raise RequestError(f"{where}: expected a string, a list of messages or a list of token ids")

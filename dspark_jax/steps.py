@@ -235,7 +235,8 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     """Lossless speculative sampling: accept d_k with prob min(1, p(d_k)/q(d_k)); at the first
     rejection emit a sample of the residual norm(max(p - q, 0)); if all accepted, a bonus sample
     from p at the last row. p, q are the target's and the draft's (Markov-biased) distributions
-    after the same temperature/top-p."""
+    after the same temperature/top-p. `limit_B` caps the drafts each row verifies (room left,
+    or the confidence schedule): a cut made without looking at the target keeps this lossless."""
     b, t = drafts_BT.shape
     logp = filter_logits(target_logits_BT1V, temperature, top_p)       # [B,T+1,V]
     logq = filter_logits(draft_logits_BTV, temperature, top_p)          # [B,T,V]
@@ -245,15 +246,19 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     u = jax.random.uniform(k_u, (b, t))
     ok = u * q_d < p_d                                   # u < p/q without dividing by 0
     n = _leading_true(ok)
+    # every draft verified was accepted: the next token is a bonus sample from p, whether the
+    # row ran out of drafts (n = T) or was cut at its limit (the drafts past it were never tested)
+    bonus = n == t
     if limit_B is not None:
+        bonus = bonus | (n >= limit_B)
         n = jnp.minimum(n, limit_B)
     p = jnp.exp(logp)
-    q = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(p[:, :1])], 1)  # bonus row: residual = p
+    q = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(p[:, :1])], 1)
     resid = jnp.maximum(p - q, 0.0)
     resid_n = jnp.take_along_axis(resid, n[:, None, None], 1)[:, 0]    # [B,V]
-    # degenerate residual (p == q exactly) -> fall back to p
     p_n = jnp.take_along_axis(p, n[:, None, None], 1)[:, 0]
-    resid_n = jnp.where(resid_n.sum(-1, keepdims=True) > 0, resid_n, p_n)
+    # degenerate residual (p == q exactly) -> fall back to p
+    resid_n = jnp.where(bonus[:, None] | (resid_n.sum(-1, keepdims=True) <= 0), p_n, resid_n)
     fix = jax.random.categorical(k_res, jnp.log(resid_n), axis=-1).astype(drafts_BT.dtype)
     emitted = jnp.concatenate([drafts_BT, jnp.zeros_like(drafts_BT[:, :1])], 1)
     emitted = emitted.at[jnp.arange(b), n].set(fix)

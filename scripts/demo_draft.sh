@@ -3,7 +3,7 @@
 # machine with the package's own pipeline. Every stage resumes where it stopped, so rerunning this
 # script after an interruption continues the run:
 #     nohup scripts/demo_draft.sh > runs/demo/pipeline.log 2>&1 &
-# Stages: (1) prompt pool, (2) the target's greedy answers (T=0, <= 256 new tokens, batch 8),
+# Stages: (1) prompt pool, (2) the target's greedy answers (T=0, <= 256 new tokens, 16 at a time),
 # (3) off-policy prefill distillation with the online teacher, (4) the torch-layout draft copied
 # to $RUN/$NAME. Outputs stay under runs/ (gitignored).
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
@@ -35,7 +35,7 @@ fi
 
 # (2) SmolLM2's own answers through generate() with the serving chat template (resumable)
 python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
-    --dtype float32 --max_new_tokens 256 --batch_size 8 --temperature 0 --limit "$LIMIT"
+    --dtype float32 --max_new_tokens 256 --batch_size 16 --temperature 0 --limit "$LIMIT"
 
 # (3) distillation (resumes from its checkpoints; exports $RUN/distill-$NAME/export/step_N)
 python -m train.distill --target smollm2-135m --target_dtype float32 --data "$RUN/regen.jsonl" \

@@ -1,48 +1,70 @@
 """One-shot generation: `python -m serve.generate --model DIR --draft_model DIR --prompt "..."`.
 
-Without model flags it runs the demo pair; while the distilled demo draft is not shipped yet it
-decodes with the SmolLM2 target alone and says so.
+Prints the generated text, then the request's `[MTP Stats]` line. Omitted model flags use the demo
+pair (`make demo` runs this with no flags); while the demo draft is not shipped that falls back to
+plain decoding (with a message). Multi-host: the same command on every host with the
+`dspark_jax.distributed` settings and `--tp` = all devices; process 0 prints.
 """
 
 from __future__ import annotations
 
+import logging
+
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
-_DRAFT = flags.DEFINE_string("draft_model", None, "draft directory or preset (default: the demo draft "
-                             "preset when available); 'none' for plain decoding")
-_PROMPT = flags.DEFINE_string("prompt", "Explain in two sentences why the sky is blue.", "the prompt")
-_NEW = flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most", lower_bound=1)
-_TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 = lossless speculative sampling", lower_bound=0.0)
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus threshold in (0, 1]")
-_T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per verify step; 0 = plain", lower_bound=0)
-_KV = flags.DEFINE_string("kv_cache_dtype", "auto", "paged cache storage: auto, fp32 or fp8")
-_CHAT = flags.DEFINE_bool("chat", True, "render the prompt with the target's chat template")
-_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+from dspark_jax import distributed  # also defines --coordinator_address, --num_processes, --process_id
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "Target directory or preset (default: smollm2-135m).")
+flags.DEFINE_string("draft_model", None, "Draft directory or preset (default: smollm2-135m-dspark); 'none' "
+                    "for plain decoding, 'untrained[:CONFIG.json]' for a random draft.")
+flags.DEFINE_string("prompt", "Explain in two sentences why the sky is blue.",
+                    "The prompt (a user turn when --chat).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (lossless speculative sampling).", lower_bound=0.0)
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
+flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step; 0 = plain decoding.", lower_bound=0)
+flags.DEFINE_string("kv_cache_dtype", "auto", "Paged cache storage: auto, bf16, fp32 or fp8.")
+flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat template.")
+flags.DEFINE_list("stop", None, "Stop strings.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
+flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
+                  "each step verifies (spec E.6; default step-cost model).")
+flags.DEFINE_integer("max_model_len", None, "Cache capacity (default: the model's max_position_embeddings).")
+
+log = logging.getLogger("dspark_jax.serving")
 
 
 def main(argv) -> None:
     del argv
-    import json
+    from dspark_jax.generate import generate
+    from dspark_jax.serving.models import describe, load_pair
+    from dspark_jax.serving.worker import format_mtp_stats
 
-    from dspark_jax import generate, load_draft, load_target
-
-    target = load_target(_MODEL.value)
-    draft = None
-    name = _DRAFT.value
-    if name is None:
-        try:
-            draft = load_draft("smollm2-135m-dspark")
-        except NotImplementedError as e:
-            print(f"[serve.generate] {e}; decoding without a draft", flush=True)
-    elif name.lower() != "none":
-        draft = load_draft(name)
-    res = generate(target, draft, [_PROMPT.value], max_new_tokens=_NEW.value, temperature=_TEMP.value,
-                   top_p=_TOP_P.value, num_speculative_tokens=_T.value if draft is not None else 0,
-                   seed=_SEED.value, chat=_CHAT.value, kv_cache_dtype=_KV.value)
+    try:   # multi-host: every process runs this same program on one global mesh (--tp = all devices)
+        distributed.initialize_from_flags_or_env()
+    except distributed.DistributedError as e:
+        raise app.UsageError(str(e)) from None
+    primary = distributed.is_primary()         # process 0 logs and prints
+    logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, missing_draft="plain")
+    for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
+                         kv_cache_dtype=FLAGS.kv_cache_dtype):
+        log.info(line)
+    for note in pair.notes:
+        log.warning(note)
+    res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,
+                   temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                   num_speculative_tokens=FLAGS.num_speculative_tokens if pair.draft is not None else 0,
+                   stop=FLAGS.stop, seed=FLAGS.seed, chat=FLAGS.chat, tokenizer=pair.tokenizer,
+                   max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype,
+                   confidence_schedule=FLAGS.confidence_schedule)
+    if not primary:
+        return
     out = res.outputs[0]
     print(out.text)
-    print("[MTP Stats] " + json.dumps(out.stats))
+    print(format_mtp_stats(out.stats, f"{len(out.token_ids)} tokens, finish reason {out.finish_reason}"))
 
 
 if __name__ == "__main__":

@@ -273,3 +273,85 @@ def test_max_model_len_stops_cleanly(llama_pair):
     assert plain.outputs[0].finish_reason == spec.outputs[0].finish_reason == "length"
     assert plain.outputs[0].token_ids == spec.outputs[0].token_ids
     assert len(p[0]) + len(plain.outputs[0].token_ids) <= 128 + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# confidence-scheduled verify (spec E.6)
+
+
+def _objective(lengths, survival, cost):
+    r = len(lengths)
+    tau = r + sum(survival[i, :n].sum() for i, n in enumerate(lengths))
+    return tau / (cost.fixed + cost.per_token * (r + sum(lengths)))
+
+
+def test_verify_lengths_is_the_best_prefix_choice():
+    """Greedy admission equals the brute-force optimum of tau / t(B) over every choice of
+    per-row prefix lengths (R=3, T=4, 200 random confidence sets and costs)."""
+    import itertools
+    from dspark_jax.schedule import VerifyCost, verify_lengths
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        conf = rng.uniform(0, 1, size=(3, 4)) ** rng.uniform(0.2, 3)
+        cost = VerifyCost(1.0, float(rng.uniform(0.0, 0.6)))
+        survival = np.cumprod(conf, axis=1)
+        got = verify_lengths(conf, cost)
+        best = max(_objective(ls, survival, cost) for ls in itertools.product(range(5), repeat=3))
+        assert _objective(got, survival, cost) == pytest.approx(best, rel=1e-12)
+    assert list(verify_lengths(np.full((2, 4), 0.9), VerifyCost(1.0, 0.0))) == [4, 4]     # free tokens: all
+    assert list(verify_lengths(np.full((2, 4), 0.9), VerifyCost(1.0, 10.0))) == [0, 0]    # dear tokens: none
+
+
+def test_accept_sampling_with_a_limit_emits_the_targets_marginals():
+    """Rows cut to one verified draft (limit 1): the token after an accepted draft is a bonus sample
+    from p at that row, not a residual sample (chi-square, N=40000, alpha=1e-3)."""
+    v, t, n = 6, 3, 40000
+    rng = np.random.default_rng(1)
+    tl = jnp.asarray(rng.normal(size=(t + 1, v)) * 1.5, jnp.float32)
+    dl = jnp.asarray(rng.normal(size=(t, v)) * 1.5, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(1), n)
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        drafts = jax.random.categorical(kd, dl, axis=-1)
+        acc = steps.accept_sampling(tl[None], dl[None], drafts[None], 1.0, 1.0, ka, limit_B=jnp.ones((1,), jnp.int32))
+        return acc.num_accepted_B[0], acc.emitted_BT1[0]
+
+    nacc, emitted = jax.jit(jax.vmap(one))(keys)
+    nacc, emitted = np.asarray(nacc), np.asarray(emitted)
+    assert nacc.max() == 1
+    p = np.asarray(jax.nn.softmax(tl, -1))
+    for pos in range(2):
+        counts = np.bincount(emitted[nacc >= pos][:, pos], minlength=v)
+        assert _chi2_pvalue(counts, p[pos]) > 1e-3, pos
+
+
+@pytest.mark.parametrize("family", ["llama", "k3"])
+def test_lossless_greedy_with_confidence_schedule(request, family):
+    from dspark_jax.schedule import VerifyCost
+    target, draft = request.getfixturevalue(f"{family}_pair")
+    chunk = prompts(4, target.cfg.vocab_size, seed=21, hi=16)
+    plain = generate(target, None, chunk, max_new_tokens=12)
+    spec = generate(target, draft, chunk, max_new_tokens=12, num_speculative_tokens=5,
+                    confidence_schedule=VerifyCost(1.0, 0.15))
+    _same_tokens(plain, spec)
+    st = spec.stats
+    # the schedule really cut the verify length, and not to nothing
+    assert 0 < st["total_draft_tokens"] < 5 * st["num_verify_steps"]
+
+
+def test_speculative_sampling_with_confidence_schedule_matches_target():
+    """As the end-to-end sampling test, with the schedule choosing per-row verify lengths (a token
+    cost that, at 2000 rows, admits drafts whose survival is above about 1/3)."""
+    from dspark_jax.schedule import VerifyCost
+    target = tiny_llama(3, vocab=12)
+    draft = tiny_draft(target, 4)
+    prompt = [1, 5, 7, 2]
+    p1, p2 = _exact_two_token_marginal(target, prompt)
+    res = generate(target, draft, [prompt] * 2000, max_new_tokens=3, temperature=1.0,
+                   num_speculative_tokens=3, seed=12, confidence_schedule=VerifyCost(1.0, 2e-4))
+    second = np.array([o.token_ids[1] for o in res.outputs])
+    assert _chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
+    st = res.stats
+    assert 0 < st["total_draft_tokens"] < 3 * st["num_verify_steps"]
+    assert st["total_accepted_tokens"] > 0

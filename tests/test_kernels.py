@@ -15,7 +15,8 @@ import pytest
 
 from dspark_jax.cache import FP8, PagedPool
 from dspark_jax.kernels import dispatch
-from dspark_jax.kernels.block_sparse import block_sparse_kernel, block_sparse_mask, block_sparse_reference
+from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_mask, block_sparse_reference,
+                                             multi_anchor_kernel, multi_anchor_reference)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
@@ -193,15 +194,43 @@ def test_kda_recurrent_snapshots_match_reference():
 # multi-anchor block-sparse attention (draft training)
 
 
-def _block_sparse_inputs(seed: int = 0):
-    b, a, t, s, n, h, r, v = 2, 3, 3, 10, 2, 16, 8, 16
+# name -> (B, A, T, S, block_q, block_k, anchors, keep). The rows of one call hold the cases, so
+# each shape compiles once.
+_BS_CASES = {
+    # blocks of 3 straddle 4-row query tiles and 8-row key tiles. Rows: anchor 0 (no context) and
+    # S-1; a dropped anchor between kept ones; anchors at and past S (all context, clipped);
+    # every anchor dropped (a row of padding only)
+    "T3": (4, 3, 3, 10, 4, 8, [[0, 5, 9], [2, 4, 7], [8, 10, 12], [0, 0, 0]],
+           [[1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 0, 0]]),
+    # the real block width 7 over key tiles of 4 (a block spans two of them), a context of 23 (no
+    # tile multiple). Rows: consecutive anchors from 0 (overlapping positions); ragged keep and
+    # an anchor at S-2, the last one training samples
+    "T7": (2, 4, 7, 23, 8, 4, [[0, 1, 2, 3], [5, 12, 20, 21]], [[1, 1, 1, 1], [1, 0, 1, 1]]),
+}
+_BS_N, _BS_H, _BS_R, _BS_V, _BS_C = 2, 16, 8, 16, 32     # heads, nope / rope / v head dims, kv_lora
+
+
+def _block_sparse_inputs(case: str, seed: int = 0):
+    """Expanded-head inputs of the core kernel: (q_nope, q_rope, k_nope, k_pe, v), anchors, keep, tiles."""
+    b, a, t, s, block_q, block_k, anchors, keep = _BS_CASES[case]
+    n, h, r, v = _BS_N, _BS_H, _BS_R, _BS_V
     rng = np.random.default_rng(seed)
     q = a * t
     args = (_normal(rng, (b, q, n, h)), _normal(rng, (b, q, n, r)), _normal(rng, (b, s + q, n, h)),
             _normal(rng, (b, s + q, r)), _normal(rng, (b, s + q, n, v)))
-    anchors = jnp.array([[0, 5, 9], [2, 4, 7]], jnp.int32)       # anchor 0 sees no context
-    keep = jnp.array([[True, True, True], [True, False, True]])   # one dropped anchor
-    return args, anchors, keep
+    return args, jnp.asarray(anchors, jnp.int32), jnp.asarray(keep, bool), dict(block_q=block_q, block_k=block_k)
+
+
+def _multi_anchor_inputs(case: str, seed: int = 0):
+    """Latent inputs of training's form (q_nope, q_rope, kv_ctx, kv_blk, w_uk, w_uv), context
+    lengths (anchor, 0 if dropped) and tiles; the core kernel sees the shapes of `case`."""
+    b, a, t, s, block_q, block_k, anchors, keep = _BS_CASES[case]
+    n, h, r, v, c = _BS_N, _BS_H, _BS_R, _BS_V, _BS_C
+    rng = np.random.default_rng(seed)
+    args = (_normal(rng, (b, a, t, n, h)), _normal(rng, (b, a, t, n, r)), _normal(rng, (b, s, c + r)),
+            _normal(rng, (b, a, t, c + r)), _normal(rng, (n, h, c), scale=0.3), _normal(rng, (n, v, c), scale=0.3))
+    ctx_len = jnp.where(jnp.asarray(keep, bool), jnp.asarray(anchors, jnp.int32), 0)
+    return args, ctx_len, dict(block_q=block_q, block_k=block_k)
 
 
 def test_block_sparse_mask_semantics():
@@ -214,22 +243,45 @@ def test_block_sparse_mask_semantics():
                                       [0, 0, 0, 0, 0, 0, 0, 0]])
 
 
-def test_block_sparse_forward_and_gradient():
-    args, anchors, keep = _block_sparse_inputs()
+def _grads(fn, args, w):
+    return jax.grad(lambda *x: jnp.sum(fn(*x) * w), argnums=tuple(range(len(args))))(*args)
+
+
+@pytest.mark.parametrize("case", sorted(_BS_CASES))
+def test_block_sparse_forward_and_gradient(case):
+    args, anchors, keep, tiles = _block_sparse_inputs(case)
     scale = 0.3
-    # 4-row query tiles, 8-row key tiles: blocks of 3 straddle both
-    kernel = lambda *x: block_sparse_kernel(*x, anchors, keep, scale, block_q=4, block_k=8, interpret=True)
-    reference = lambda *x: block_sparse_reference(*x, anchors, keep, scale)
+    kernel = lambda *x: block_sparse_kernel(*x, anchors, keep, scale, **tiles, interpret=True)
+    reference = jax.jit(lambda *x: block_sparse_reference(*x, anchors, keep, scale))
     out = kernel(*args)
     _close(out, reference(*args), TOL_F32, "forward")
-    # the dropped anchor's rows are exactly zero
-    assert np.all(np.asarray(out[1, 3:6]) == 0.0)
+    # the dropped anchors' rows are exactly zero
+    dropped_BQ = np.repeat(~np.asarray(keep), _BS_CASES[case][2], axis=1)
+    assert dropped_BQ.any() and np.all(np.asarray(out)[dropped_BQ] == 0.0)
 
     w = _normal(np.random.default_rng(9), out.shape)
-    grads = jax.grad(lambda *x: jnp.sum(kernel(*x) * w), argnums=tuple(range(5)))(*args)
-    want = jax.grad(lambda *x: jnp.sum(reference(*x) * w), argnums=tuple(range(5)))(*args)
+    grads, want = _grads(kernel, args, w), jax.jit(lambda *x: _grads(reference, x, w))(*args)
     for name, g, gw in zip(("q_nope", "q_rope", "k_nope", "k_pe", "v"), grads, want):
         assert g.shape == gw.shape and np.all(np.isfinite(np.asarray(g)))
+        _close(g, gw, TOL_F32, f"d{name}")
+
+
+def test_multi_anchor_kernel_matches_training_attention():
+    """The latent form training calls (dispatch.block_sparse_attention): keys / values lifted
+    once per sequence through the kernel equal training's own absorbed attention with one batch
+    row per block, forward and every gradient; dropped blocks (context length 0) see their own
+    rows in both. Same core shapes and tiles as case T7: its kernel compiles are reused."""
+    args, ctx_len, tiles = _multi_anchor_inputs("T7", seed=4)
+    scale = 0.3
+    kernel = lambda *x: multi_anchor_kernel(*x, ctx_len, scale, **tiles, interpret=True)
+    reference = jax.jit(lambda *x: multi_anchor_reference(*x, ctx_len, scale))
+    out = kernel(*args)
+    assert out.shape == args[0].shape[:4] + (_BS_V,)
+    _close(out, reference(*args), TOL_F32, "forward")
+    w = _normal(np.random.default_rng(9), out.shape)
+    grads, want = _grads(kernel, args, w), jax.jit(lambda *x: _grads(reference, x, w))(*args)
+    for name, g, gw in zip(("q_nope", "q_rope", "kv_ctx", "kv_blk", "w_uk", "w_uv"), grads, want):
+        assert g.shape == gw.shape and np.any(np.asarray(gw) != 0)
         _close(g, gw, TOL_F32, f"d{name}")
 
 
@@ -261,15 +313,16 @@ def test_dispatch_routes_to_kernel_and_reference():
     q_lat, q_rope, pages, table, positions = _paged_inputs(FP8, jnp.float32, 3)
     kda_args = _kda_inputs(37, -5.0, seed=5)       # the chunked test's shapes: cached compiles
     verify_args = tuple(x[:, :8] for x in kda_args[:5]) + kda_args[5:]
-    bs_args, anchors, keep = _block_sparse_inputs(seed=2)
-    pf = [x[:, :9] for x in bs_args[:2]] + [x[:, :12] for x in bs_args[2:]]
+    bs_args = _block_sparse_inputs("T3", seed=2)[0]
+    pf = [x[:2, :9] for x in bs_args[:2]] + [x[:2, :12] for x in bs_args[2:]]
+    ma_args, ctx_len, _ = _multi_anchor_inputs("T3", seed=2)     # dispatch: the default tiles
 
     def run():
         return (dispatch.mla_paged_attention(q_lat, q_rope, pages, table, positions, 0.3, causal=False, row=1),
                 dispatch.mla_prefill_attention(*pf, jnp.broadcast_to(jnp.arange(9) + 3, (2, 9)), 0.3),
                 dispatch.kda_prefill(*kda_args)[:2],
                 dispatch.kda_verify(*verify_args, return_snapshots=True),
-                dispatch.block_sparse_attention(*bs_args, anchors, keep, 0.3))
+                dispatch.block_sparse_attention(*ma_args, ctx_len, 0.3))
 
     with dispatch.use_kernels("off"):
         want = run()

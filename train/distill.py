@@ -12,10 +12,16 @@ Rerunning the same command resumes from the newest checkpoint in --run_dir. --in
 from a torch-layout draft; --resume_torchspec converts a TorchSpec training checkpoint
 (checkpoint_N.pt) into this run's first checkpoint. The draft is exported in the torch layout to
 <run_dir>/export/step_N at every checkpoint.
+
+Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
+--num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
+and a --run_dir every host sees; the draft and its AdamW state are then sharded (FSDP) over every
+device of the global mesh, and the torch-layout export is written once, by process 0, at the end.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import time
 from pathlib import Path
@@ -24,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
+from dspark_jax import distributed
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
 from dspark_jax.config import DraftConfig
@@ -34,7 +41,8 @@ from dspark_jax.train import trainer as trainer_lib
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
 flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype.")
-flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher).")
+flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher); several (the shards of a multi-host "
+                    "train.regen): a glob or a comma-separated list.")
 flags.DEFINE_string("teacher_dir", None, "Offline teacher shard directory (instead of --data).")
 flags.DEFINE_float("teacher_timeout", None, "Seconds to wait for a live teacher shard (default: forever).")
 flags.DEFINE_string("draft_config", None, "Draft config.json (default: --init_from's).")
@@ -70,12 +78,21 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     if (FLAGS.data is None) == (FLAGS.teacher_dir is None):
         raise app.UsageError("give exactly one of --data (online teacher) and --teacher_dir (offline)")
+    try:   # before any device is touched; a no-op for one process
+        settings = distributed.initialize_from_flags_or_env()
+    except distributed.DistributedError as e:
+        raise app.UsageError(str(e)) from None
+    primary = distributed.is_primary()
     t0 = time.time()
 
     def log(msg: str) -> None:
-        print(f"[distill {time.time() - t0:8.1f}s] {msg}", flush=True)
+        if primary:
+            print(f"[distill {time.time() - t0:8.1f}s] {msg}", flush=True)
 
-    mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
+    if settings.multi_process:   # one global mesh, FSDP over all devices (the multi-host test's layout)
+        mesh = distributed.global_mesh(fsdp=jax.device_count(), tensor=1, data=1)
+    else:
+        mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
     init_draft = None
     if FLAGS.init_from:
         from dspark_jax.checkpoint.draft_io import load_draft
@@ -89,8 +106,9 @@ def main(argv: list[str]) -> None:
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
     online = FLAGS.data is not None
     if online:
-        samples = list(regen.samples_from_cache(regen.read_cache(FLAGS.data), max_len=FLAGS.max_len))
-        source = trainer_lib.SampleSource(samples, FLAGS.seed)
+        rows = [row for path in _data_files(FLAGS.data) for row in regen.read_cache(path)]
+        samples = list(regen.samples_from_cache(rows, max_len=FLAGS.max_len))
+        source = trainer_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
         log(f"{len(samples)} samples from {FLAGS.data}")
     else:
         stream = teacher.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout, log=log)
@@ -109,6 +127,8 @@ def main(argv: list[str]) -> None:
         max_len=FLAGS.max_len, lr=FLAGS.lr, warmup_frac=FLAGS.warmup_frac, min_lr_frac=FLAGS.min_lr_frac,
         clip_norm=FLAGS.clip, weight_decay=FLAGS.weight_decay, compute_dtype=_compute_dtype(), seed=FLAGS.seed,
         log_every=FLAGS.log_every, save_every=FLAGS.save_every,
+        # the per-checkpoint export reads every parameter on the host: multi-host exports once, below
+        export=not settings.multi_process,
         loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma))
     trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=init_draft, log=log)
     if FLAGS.resume_torchspec and trainer.manager.latest_step() is None:
@@ -122,10 +142,42 @@ def main(argv: list[str]) -> None:
         f"max_len {cfg.max_len}, {cfg.loss.num_anchors} anchors, {'online' if online else 'offline'} teacher, "
         f"{len(jax.devices())} device(s), compute {cfg.compute_dtype}")
     Path(FLAGS.run_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:
-        json.dump({k: v.value for k, v in FLAGS.__flags.items() if k in _OWN_FLAGS}, f, indent=1)
+    if primary:
+        with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:
+            json.dump({k: v.value for k, v in FLAGS.__flags.items() if k in _OWN_FLAGS}, f, indent=1)
     trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after)
+    if settings.multi_process:
+        _export_multihost(trainer, Path(FLAGS.run_dir), log)
     log("done")
+
+
+def _export_multihost(trainer: trainer_lib.Trainer, run_dir: Path, log) -> None:
+    """The draft in the torch layout at the current step. Its FSDP shards live on several hosts:
+    every process joins one all-gather into a replicated copy, then process 0 writes it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax.checkpoint.draft_io import save_torch_draft
+    params = jax.jit(lambda p: p, out_shardings=NamedSharding(trainer.mesh, PartitionSpec()))(trainer.state.params)
+    dst = run_dir / "export" / f"step_{int(trainer.state.step):07d}"
+    if not distributed.is_primary() or dst.exists():
+        return
+    cfg = dict(trainer.draft_cfg.raw)
+    cfg["torch_dtype"] = "bfloat16"
+    save_torch_draft(trainer_lib.merge_draft(trainer.graphdef, trainer.template, trainer.rest, params), cfg, dst)
+    log(f"exported the draft (torch layout) to {dst}")
+
+
+def _data_files(spec: str) -> list[str]:
+    """--data: paths and globs, comma-separated, in the given order (a glob's matches sorted)."""
+    files = []
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part] if Path(part).is_file() else []
+        if not found:
+            raise app.UsageError(f"--data: no regen cache at {part!r}")
+        files += found
+    return files
 
 
 def _compute_dtype() -> str:

@@ -7,15 +7,25 @@ Greedy (T=0) by default, through `generate()` with the serving chat template. Re
 command resumes: prompts already in --out are skipped. Progress (prompts, tokens/s, ETA) goes to
 stdout after every batch. --num_shards/--shard_index split the pool over several processes, each
 writing its own --out.
+
+Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
+--num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID);
+process i of n answers every n-th prompt from i on its own devices, into its own cache beside
+--out (`regen.jsonl` -> `regen-0000i-of-0000n.jsonl`; `train.distill --data` takes the shards
+as a glob or a comma-separated list).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
+from dspark_jax import distributed
+from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.tokenizer import load_tokenizer
@@ -27,7 +37,7 @@ flags.DEFINE_string("out", None, "Answer cache JSONL (appended; resumable).")
 flags.DEFINE_string("model", "smollm2-135m", "Target: directory or preset name.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target compute dtype.")
 flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
-flags.DEFINE_integer("batch_size", 8, "Prompts per generate() call.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once (continuous batching).", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("min_loss_tokens", regen.MIN_LOSS_TOKENS, "Answers shorter than this are not kept.")
@@ -41,24 +51,47 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
+    try:   # before any device is touched; a no-op for one process
+        dist = distributed.initialize_from_flags_or_env()
+    except distributed.DistributedError as e:
+        raise app.UsageError(str(e)) from None
+    num_shards, shard_index, out = FLAGS.num_shards, FLAGS.shard_index, FLAGS.out
+    if dist.multi_process:
+        if num_shards != 1 or shard_index != 0:
+            raise app.UsageError("--num_shards/--shard_index split the pool by hand; a multi-process run "
+                                 "splits it by process: drop them")
+        # answering is embarrassingly parallel: each process decodes its shard on its own devices
+        num_shards, shard_index = dist.num_processes, dist.process_id
+        out = str(shard_path(out, shard_index, num_shards))
+    if not 0 <= shard_index < num_shards:
+        raise app.UsageError(f"--shard_index={shard_index} is not in 0..{num_shards - 1}")
     t0 = time.time()
+    tag = f"regen {shard_index}/{num_shards}" if num_shards > 1 else "regen"
 
     def log(msg: str) -> None:
-        print(f"[regen {time.time() - t0:8.1f}s] {msg}", flush=True)
+        print(f"[{tag} {time.time() - t0:8.1f}s] {msg}", flush=True)
 
     records = regen.read_jsonl(FLAGS.prompts)[:FLAGS.limit]
-    records = records[FLAGS.shard_index::FLAGS.num_shards]
+    records = records[shard_index::num_shards]
     path = resolve_model_path(FLAGS.model)
-    target = load_target(path, dtype=jnp.dtype(FLAGS.dtype))
+    # this process's first device (the loader's default, jax.devices()[0], is process 0's)
+    local = sharding_lib.make_mesh(devices=jax.local_devices()[:1])
+    target = load_target(path, dtype=jnp.dtype(FLAGS.dtype), mesh=local)
     tokenizer = load_tokenizer(path)
     settings = regen.RegenSettings(target=str(FLAGS.model), max_new_tokens=FLAGS.max_new_tokens,
                                    temperature=FLAGS.temperature, seed=FLAGS.seed,
                                    chat_template_sha256=regen.template_sha256(tokenizer),
                                    min_loss_tokens=FLAGS.min_loss_tokens)
-    counts = regen.regenerate(target, tokenizer, records, FLAGS.out, settings=settings,
+    counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
                               batch_size=FLAGS.batch_size, log=log)
-    kept = sum(r["kept"] for r in regen.read_cache(FLAGS.out))
-    log(f"done: {counts}; {kept} kept samples in {FLAGS.out}")
+    kept = sum(r["kept"] for r in regen.read_cache(out))
+    log(f"done: {counts}; {kept} kept samples in {out}")
+
+
+def shard_path(out: str, index: int, count: int) -> Path:
+    """Process `index` of `count`'s cache beside `out`: regen.jsonl -> regen-00001-of-00002.jsonl."""
+    p = Path(out)
+    return p.with_name(f"{p.stem}-{index:05d}-of-{count:05d}{p.suffix}")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
         raise ValueError(f"dtype_policy must be 'strict' or 'cast', got {dtype_policy!r}")
     if not isinstance(model, nnx.Module):
         model = params_lib.abstract(model)
-    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
     ckpt = ShardedCheckpoint(checkpoint_dir)
     graphdef, state = nnx.split(model)
     rename_fn = _renamer(rename)

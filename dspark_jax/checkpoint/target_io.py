@@ -264,7 +264,7 @@ def load_kimi_orbax(path: str | Path, *, mesh: Mesh | None = None, dtype=None):
     tensors keep theirs); without it stored dtypes must equal config.json's."""
     path = Path(path)
     cfg, leaves = open_orbax_target(path)
-    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
     graphdef, state = nnx.split(_abstract_target(cfg, dtype))
     flat = params_lib.flat_params(state)
     problems = _leaf_problems(flat, leaves, path / PARAMS_DIR, cast=dtype is not None)

@@ -1,15 +1,20 @@
-"""Multi-anchor block-sparse attention for draft training (spec D.2-D.3), expanded MLA heads.
+"""Multi-anchor block-sparse attention for draft training (spec D.2-D.3).
 
-Queries: A anchors x T block rows, anchor-major ([B, A*T, N, .]). Keys: the S context rows, then
-the A*T block rows in the same order as the queries ([B, S + A*T, ...]). Block row i of anchor a
-(position anchors[a] + i) sees
+The core works on expanded MLA heads. Queries: A anchors x T block rows, anchor-major
+([B, A*T, N, .]). Keys: the S context rows, then the A*T block rows in the same order as the
+queries ([B, S + A*T, ...]). Block row i of anchor a (position anchors[a] + i) sees
 - context keys at positions < anchors[a] (strictly: the anchor's own target state is not seen),
 - the T rows of its own block (bidirectional),
 and nothing else; rows of a dropped anchor (keep False) see nothing and output 0.
+`block_sparse_kernel` is differentiable through a `jax.custom_vjp`: the forward kernel saves the
+log-sum-exp and the FlashAttention-2 backward kernels give dq, dk, dv without ever forming the
+[A*T, S + A*T] score matrix. `block_sparse_reference` is the dense masked softmax.
 
-`block_sparse_attention` is differentiable through a `jax.custom_vjp`: the forward kernel saves
-the log-sum-exp and the FlashAttention-2 backward kernels give dq, dk, dv without ever forming the
-[A*T, S + A*T] score matrix.
+Training calls the latent form (`dispatch.block_sparse_attention`), which takes what the draft's
+block pass has: queries per block, the sequence's latent context rows, the blocks' own latent rows
+and kv_b_proj's halves. Its reference, `multi_anchor_reference`, is the draft's absorbed MLA with
+one batch row per block; `multi_anchor_kernel` lifts each sequence's rows to per-head keys and
+values once (not once per block) and runs the core kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax.numpy as jnp
 
 from dspark_jax.kernels import mla_flash
 from dspark_jax.kernels.common import pad_to
+from dspark_jax.layers.mla import mla_attend_absorbed
 
 
 def block_sparse_mask(anchors_BA: jax.Array, keep_BA: jax.Array, num_context: int, block_size: int) -> jax.Array:
@@ -128,3 +134,48 @@ def _backward(lim_BQ, seg_BQ, qn, qr, kn, kr, v, o, lse, do, *, cfg: _Config):
     unpad_k = lambda x: mla_flash.unpad_keys(x, lay, lay.n_ctx, lay.q_len)
     return (dqn[:, :lay.q_len], dqr[:, :lay.q_len].astype(qr.dtype), unpad_k(dkn),
             unpad_k(dkr).astype(kr.dtype), unpad_k(dv))
+
+
+# ---------------------------------------------------------------------------------------------
+# the latent form draft training calls (X = B*A blocks, L = C + R latent row width)
+
+
+def multi_anchor_reference(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,
+                           kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
+                           ctx_len_BA: jax.Array, scale: float) -> jax.Array:
+    """The draft's own block attention (absorbed MLA, `layers.mla.mla_attend_absorbed`) with every
+    block a batch row: block a's T rows see context rows [0, ctx_len[a]) of their sequence and
+    their own T rows (bidirectional), nothing of other blocks -> o [B, A, T, N, V].
+    A dropped block gets ctx_len 0 and still sees itself (its rows are unsupervised)."""
+    b, a, t, n, h = q_nope_BATNH.shape
+    s, w = kv_ctx_BSL.shape[1:]
+    kv_ctx_XSL = jnp.broadcast_to(kv_ctx_BSL[:, None], (b, a, s, w)).reshape(b * a, s, w)
+    kv_XKL = jnp.concatenate([kv_ctx_XSL.astype(kv_blk_BATL.dtype), kv_blk_BATL.reshape(b * a, t, w)], axis=1)
+    ctx_BAS = jnp.arange(s)[None, None, :] < ctx_len_BA[..., None]
+    ctx_XTS = jnp.broadcast_to(ctx_BAS[:, :, None, :], (b, a, t, s)).reshape(b * a, t, s)
+    mask_XTK = jnp.concatenate([ctx_XTS, jnp.ones((b * a, t, t), bool)], axis=2)
+    o_XTNV = mla_attend_absorbed(q_nope_BATNH.reshape(b * a, t, n, h), q_rope_BATNR.reshape(b * a, t, n, -1),
+                                 kv_XKL.astype(q_nope_BATNH.dtype), mask_XTK, w_uk_NHC, w_uv_NVC, scale)
+    return o_XTNV.reshape(b, a, t, n, -1)
+
+
+def multi_anchor_kernel(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,
+                        kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
+                        ctx_len_BA: jax.Array, scale: float, **kernel_kw) -> jax.Array:
+    """`multi_anchor_reference` through `block_sparse_kernel` (expanded MLA, as
+    `layers.mla.mla_attend_expanded` lifts rows): the S context rows and the A*T block rows of a
+    sequence become per-head keys / values once, and the kernel's mask does the rest.
+    `kernel_kw`: block_sparse_kernel's tile / launch / interpret arguments."""
+    b, a, t, n, h = q_nope_BATNH.shape
+    c = w_uk_NHC.shape[-1]
+    dtype = q_nope_BATNH.dtype
+    kv_BKL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BATL.dtype), kv_blk_BATL.reshape(b, a * t, -1)],
+                             axis=1).astype(dtype)
+    c_kv_BKC, k_pe_BKR = kv_BKL[..., :c], kv_BKL[..., c:]
+    k_nope_BKNH = jnp.einsum("bkc,nhc->bknh", c_kv_BKC, w_uk_NHC)
+    v_BKNV = jnp.einsum("bkc,nvc->bknv", c_kv_BKC, w_uv_NVC)
+    # keep all True: a dropped block (ctx_len 0) still sees its own rows, as in the reference
+    o_BQNV = block_sparse_kernel(q_nope_BATNH.reshape(b, a * t, n, h), q_rope_BATNR.reshape(b, a * t, n, -1),
+                                 k_nope_BKNH, k_pe_BKR, v_BKNV, ctx_len_BA, jnp.ones((b, a), bool), scale,
+                                 **kernel_kw)
+    return o_BQNV.reshape(b, a, t, n, -1)

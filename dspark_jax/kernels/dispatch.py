@@ -118,12 +118,13 @@ def kda_verify(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
     return kda_chunked.kda_recurrent_kernel(*args, return_snapshots=return_snapshots, interpret=interpret)
 
 
-def block_sparse_attention(q_nope_BQNH: jax.Array, q_rope_BQNR: jax.Array, k_nope_BKNH: jax.Array,
-                           k_pe_BKR: jax.Array, v_BKNV: jax.Array, anchors_BA: jax.Array, keep_BA: jax.Array,
-                           scale: float) -> jax.Array:
-    """Multi-anchor draft-training attention -> [B, A*T, N, V], differentiable (see block_sparse)."""
+def block_sparse_attention(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,
+                           kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
+                           ctx_len_BA: jax.Array, scale: float) -> jax.Array:
+    """Draft training's multi-anchor attention -> [B, A, T, N, V], differentiable: block a sees
+    context rows < ctx_len[a] and its own rows (see block_sparse.multi_anchor_reference)."""
     interpret = kernel_interpret()
-    args = (q_nope_BQNH, q_rope_BQNR, k_nope_BKNH, k_pe_BKR, v_BKNV, anchors_BA, keep_BA, scale)
-    if interpret is None or not _fits(interpret, q_nope_BQNH.shape[-1], q_rope_BQNR.shape[-1], v_BKNV.shape[-1]):
-        return block_sparse.block_sparse_reference(*args)
-    return block_sparse.block_sparse_kernel(*args, interpret=interpret)
+    args = (q_nope_BATNH, q_rope_BATNR, kv_ctx_BSL, kv_blk_BATL, w_uk_NHC, w_uv_NVC, ctx_len_BA, scale)
+    if interpret is None or not _fits(interpret, q_nope_BATNH.shape[-1], q_rope_BATNR.shape[-1], w_uv_NVC.shape[1]):
+        return block_sparse.multi_anchor_reference(*args)
+    return block_sparse.multi_anchor_kernel(*args, interpret=interpret)

@@ -40,7 +40,8 @@ class K3DSparkLayer(nnx.Module):
 
     def forward_with(self, h_BTD: jax.Array, attend) -> jax.Array:
         """The layer with its attention supplied: `attend(self_attn, normed_input) -> out`.
-        Generation attends over the paged pool, training over dense multi-anchor masks."""
+        Generation attends over the paged pool, training through the multi-anchor block-sparse
+        attention (`kernels.dispatch.block_sparse_attention`)."""
         h_BTD = h_BTD + attend(self.self_attn, self.input_layernorm(h_BTD))
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 

@@ -4,8 +4,8 @@ Per sequence (B sequences of S tokens, A anchors, block width T, vocabulary V):
 1. anchors: positions a in [0, S-2] with loss_mask[a] & loss_mask[a+1]; up to A of them drawn
    uniformly without replacement, sorted, padded with keep=False (anchor 0);
 2. block input `[x_a, M x (T-1)]` at positions a..a+T-1 (all M when dropped); the block sees the
-   context rows at positions < a (strictly) and its own T rows, nothing of other blocks: each
-   block is one row of a batch of B*A blocks passed to the draft's own `block_hidden`;
+   context rows at positions < a (strictly) and its own T rows, nothing of other blocks (the
+   draft's own layers, attention through `kernels.dispatch.block_sparse_attention`);
 3. labels: row k predicts x_{a+k+1}; eval_mask[k] = keep & (a+k+1 < S) & loss_mask[a+k+1],
    cumulative product over k; teacher-forced Markov previous tokens prev[k] = x_{a+k};
 4. target distribution of row k: softmax(lm_head(target final hidden[a+k])), frozen;
@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from dspark_jax.kernels import dispatch
+from dspark_jax.layers.mla import split_kv_b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,19 +128,27 @@ def make_blocks(input_ids_BS: jax.Array, loss_mask_BS: jax.Array, anchors: Ancho
 
 def multi_anchor_hidden(draft, block_embeds_BATD: jax.Array, block_positions_BAT: jax.Array,
                         kv_ctx_LBSW: jax.Array, anchors: Anchors) -> jax.Array:
-    """Final-normed draft hidden states [B,A,T,D] of every anchor's block, through the draft's
-    own `block_hidden` (the serving code): the A blocks of a sequence are A batch rows sharing
-    that sequence's context rows, each seeing context positions < its anchor (nothing when
-    dropped) and its own block (bidirectional), so no block can see another."""
+    """Final-normed draft hidden states [B,A,T,D] of every anchor's block: the draft's layers
+    (`block_hidden_with`, the serving code) on the B*A blocks, each layer's attention through the
+    kernel dispatch (`dispatch.block_sparse_attention`): block a sees context positions < its
+    anchor (nothing when dropped) and its own block (bidirectional), so no block sees another."""
     b, a, t, d = block_embeds_BATD.shape
-    n_layers, _, s, w = kv_ctx_LBSW.shape
     a_BA, keep_BA = anchors
-    ctx_BAS = (jnp.arange(s)[None, None, :] < a_BA[..., None]) & keep_BA[..., None]
-    ctx_mask_NTS = jnp.broadcast_to(ctx_BAS[:, :, None, :], (b, a, t, s)).reshape(b * a, t, s)
-    kv_LNSW = jnp.broadcast_to(kv_ctx_LBSW[:, :, None], (n_layers, b, a, s, w)).reshape(n_layers, b * a, s, w)
-    h_NTD = draft.block_hidden(block_embeds_BATD.reshape(b * a, t, d), block_positions_BAT.reshape(b * a, t),
-                               kv_LNSW, ctx_mask_NTS, absorbed=True)
-    return h_NTD.reshape(b, a, t, d)
+    ctx_len_BA = jnp.where(keep_BA, a_BA, 0)
+    pos_XT = block_positions_BAT.reshape(b * a, t)      # X = B*A blocks
+
+    def attend(l: int, attn, x_XTD: jax.Array) -> jax.Array:
+        q_nope_XTNH, q_rope_XTNR = attn.queries(x_XTD, pos_XT)
+        kv_blk_XTL = attn.latent_kv(x_XTD, pos_XT)
+        w_uk_NHC, w_uv_NVC = split_kv_b(attn.kv_b_proj.weight.get_value(), attn.num_heads, attn.qk_nope_head_dim)
+        per_block = lambda x: x.reshape(b, a, *x.shape[1:])
+        o_BATNV = dispatch.block_sparse_attention(per_block(q_nope_XTNH), per_block(q_rope_XTNR), kv_ctx_LBSW[l],
+                                                  per_block(kv_blk_XTL), w_uk_NHC, w_uv_NVC, ctx_len_BA,
+                                                  attn.softmax_scale)
+        return attn._output(x_XTD, o_BATNV.reshape(b * a, *o_BATNV.shape[2:]))
+
+    h_XTD = draft.block_hidden_with(block_embeds_BATD.reshape(b * a, t, d), attend)
+    return h_XTD.reshape(b, a, t, d)
 
 
 def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, conf_logit_BAT: jax.Array | None,

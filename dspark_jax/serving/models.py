@@ -1,0 +1,152 @@
+"""Model resolution for the entry points (`serve.generate`, `serve.server`, `serve.bench`) and the
+start-up description they log.
+
+`--model` / `--draft_model` take a directory or a preset name; omitted, they name the demo pair
+(`smollm2-135m` + `smollm2-135m-dspark`). Two draft names are special:
+- `none`: plain decoding;
+- `untrained` or `untrained:CONFIG.json`: a randomly initialised draft of that config (default:
+  the demo draft's config). Useful as a pipeline check and as the `--reference_draft` floor of the
+  benchmark; its acceptance means nothing.
+While the demo draft is not shipped, an omitted `--draft_model` falls back to `missing_draft`
+("plain" or "untrained") with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from dspark_jax import sharding as sharding_lib
+from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
+from dspark_jax.config import DraftConfig
+from dspark_jax.generate import _attention_rows, _row_width, tokenizer_for
+
+log = logging.getLogger("dspark_jax.serving")
+
+DEMO_DRAFT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-dspark.json"
+UNTRAINED = "untrained"
+
+
+@dataclass
+class ModelPair:
+    target: object
+    draft: object | None
+    tokenizer: object | None
+    target_name: str
+    draft_name: str | None                 # None: plain decoding
+    mesh: jax.sharding.Mesh | None = None
+    notes: list[str] = field(default_factory=list)   # fallbacks taken: entry points log them as warnings
+
+
+def make_mesh(tp: int) -> jax.sharding.Mesh | None:
+    """A tensor-parallel mesh over the first `tp` devices (None: one device, no mesh). In a
+    multi-process run (dspark_jax/distributed.py) the mesh must hold every process's devices,
+    so `tp` must be the global device count."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    devices = jax.devices()
+    if jax.process_count() > 1:
+        if tp != len(devices):
+            raise ValueError(f"--tp={tp}: a run over {jax.process_count()} processes places one model on all "
+                             f"{len(devices)} devices of the global mesh; pass --tp {len(devices)}")
+        return sharding_lib.make_mesh(tensor=tp, devices=devices)
+    if tp == 1:
+        return None
+    if tp > len(devices):
+        raise ValueError(f"--tp={tp} but only {len(devices)} {devices[0].platform} device(s) are visible")
+    return sharding_lib.make_mesh(tensor=tp, devices=devices[:tp])
+
+
+def untrained_draft(target, config: str | Path | None = None, seed: int = 0, mesh=None):
+    """A randomly initialised draft (default: the demo draft's config), in the target's dtype."""
+    path = Path(config) if config else DEMO_DRAFT_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"untrained draft: config {path} not found")
+    from dspark_jax.models.dspark import K3DSparkModel
+    cfg = DraftConfig.from_dict(json.loads(path.read_text()), where=str(path))
+    if mesh is not None:
+        return sharding_lib.create_sharded(lambda: K3DSparkModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(seed)), mesh)
+    return K3DSparkModel(cfg, dtype=target.dtype, rngs=nnx.Rngs(seed))
+
+
+def load_draft_spec(spec: str, target, mesh=None):
+    """A draft from a directory / preset name, `untrained[:CONFIG]`, or None for `none`."""
+    if spec == "none":
+        return None
+    if spec == UNTRAINED or spec.startswith(UNTRAINED + ":"):
+        return untrained_draft(target, spec[len(UNTRAINED) + 1:] or None, mesh=mesh)
+    return load_draft(spec, dtype=target.dtype, mesh=mesh)
+
+
+def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1,
+              missing_draft: str = "plain") -> ModelPair:
+    """Target + draft for an entry point (see the module docstring for the names)."""
+    mesh = make_mesh(tp)
+    target_name = model or DEFAULT_TARGET
+    target = load_target(target_name, mesh=mesh)
+    notes: list[str] = []
+    draft_name = draft_model or DEFAULT_DRAFT
+    try:
+        draft = load_draft_spec(draft_name, target, mesh)
+    except NotImplementedError as e:
+        if draft_model is not None:
+            raise
+        if missing_draft == "untrained":
+            draft, draft_name = untrained_draft(target, mesh=mesh), UNTRAINED
+            notes.append(f"{e}; using an UNTRAINED draft with the demo config ({DEMO_DRAFT_CONFIG.name}): "
+                         "acceptance statistics are meaningless until the demo draft ships")
+        else:
+            draft, draft_name = None, None
+            notes.append(f"{e}; falling back to plain decoding (no draft)")
+    if draft is None:
+        draft_name = None
+    return ModelPair(target, draft, tokenizer_for(target), str(target_name), draft_name, mesh, notes)
+
+
+def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: str, store_dtype=None,
+             block_size: int | None = None, max_num_seqs: int | None = None,
+             max_model_len: int | None = None) -> list[str]:
+    """What the entry point detected, one line per component (logged at start-up; the fallback
+    notes of `pair.notes` are logged separately, as warnings)."""
+    cfg = pair.target.cfg
+    lines = []
+    fam = f"family={cfg.family}"
+    if cfg.family == "kimi_linear":
+        fam += (f" ({len(cfg.kda_layers)} KDA + {len(cfg.full_attn_layers)} MLA layers, "
+                f"{cfg.num_experts} routed experts)")
+    lines.append(f"target: {pair.target_name}: {fam}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                 f"vocab {cfg.vocab_size}, params {jax.numpy.dtype(pair.target.dtype).name}")
+    if pair.draft is None or num_speculative_tokens == 0:
+        lines.append("drafter: none (plain decoding)")
+    else:
+        dc = pair.draft.cfg
+        lines.append(f"drafter: DSpark {type(pair.draft).__name__} ({pair.draft_name}): {dc.num_hidden_layers} MLA "
+                     f"layers, block of {num_speculative_tokens} speculative tokens, aux capture layer ids "
+                     f"{list(dc.target_layer_ids)}, markov rank {dc.markov_rank}, confidence head "
+                     f"{'on' if dc.enable_confidence_head else 'off'}")
+    cache = f"kv cache: --kv_cache_dtype {kv_cache_dtype}"
+    if store_dtype is not None:
+        cache += f" -> stored as {jax.numpy.dtype(store_dtype).name}"
+    if block_size is not None:
+        cache += f", block_size {block_size}"
+    if max_num_seqs is not None and max_model_len is not None:
+        draft = pair.draft if num_speculative_tokens else None
+        rows = _attention_rows(pair.target) + (draft.cfg.num_hidden_layers if draft is not None else 0)
+        width = max(_row_width(pair.target), draft.cfg.kv_latent_dim if draft is not None else 0)
+        itemsize = jax.numpy.dtype(store_dtype or pair.target.dtype).itemsize
+        nbytes = rows * max_num_seqs * max_model_len * width * itemsize
+        cache += (f", {rows} rows x {max_num_seqs} slots x {max_model_len} positions x {width} wide "
+                  f"({nbytes / 2 ** 20:.1f} MiB)")
+    lines.append(cache)
+    if pair.mesh is None:
+        d = jax.local_devices()[0]
+        lines.append(f"mesh: none (one {d.platform} device: {d.device_kind})")
+    else:
+        shape = ", ".join(f"{k}={v}" for k, v in pair.mesh.shape.items())
+        lines.append(f"mesh: {shape} over {pair.mesh.devices.size} {pair.mesh.devices.flat[0].platform} devices")
+    return lines

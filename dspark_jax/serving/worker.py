@@ -1,0 +1,217 @@
+"""The engine thread: the one owner of the `Batcher` (and so of the compiled steps and caches).
+
+HTTP handlers never touch the model. They `submit` a `Request` and receive `Update`s on an
+asyncio queue of their event loop; `abort` (client gone) frees the slot. The thread sleeps on its
+inbox while idle, otherwise it drains the inbox and runs one `Batcher.step()` per iteration,
+pushing each request's new tokens back. Every `stats_interval` seconds with new steps it logs an
+`[MTP Stats]` line with the cumulative acceptance statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dspark_jax.generate import Batcher, Request, RequestError
+
+log = logging.getLogger("dspark_jax.serving")
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting for a slot than the server accepts (HTTP 503)."""
+
+
+@dataclass
+class Update:
+    """New tokens of one request; `finish_reason` and `stats` once it has finished; `error` if the
+    engine failed it."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Handle:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # tokens already pushed (engine thread only); 0 <=> still counted in the waiting queue
+    sent: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+def format_mtp_stats(stats: dict, extra: str = "") -> str:
+    """One `[MTP Stats]` line (ATOM's periodic log line, our wording) from an mtp_stats dict."""
+    if not stats["enabled"]:
+        return "[MTP Stats] disabled (plain decoding)" + (f"; {extra}" if extra else "")
+    dist = ", ".join(f"{k}:{v}" for k, v in stats["distribution"].items())
+    line = (f"[MTP Stats] verify steps {stats['num_verify_steps']}, draft tokens {stats['total_draft_tokens']}, "
+            f"accepted {stats['total_accepted_tokens']} ({100 * stats['acceptance_rate']:.2f}%), "
+            f"tok/fwd {stats['average_tokens_per_forward']:.3f}, distribution {{{dist}}}")
+    return f"{line}; {extra}" if extra else line
+
+
+class EngineWorker:
+    """Runs `batcher` on a background thread. `max_queue`: requests allowed to wait for a slot
+    (beyond it `submit` raises QueueFull). `on_finish(handle, update)` runs on the engine thread
+    when a request ends (metrics)."""
+
+    def __init__(self, batcher: Batcher, *, max_queue: int = 256, stats_interval: float = 10.0,
+                 on_finish: Callable[[Handle, Update], None] | None = None,
+                 on_first_token: Callable[[Handle], None] | None = None):
+        self.batcher = batcher
+        self.max_queue = max_queue
+        self.stats_interval = stats_interval
+        self.on_finish, self.on_first_token = on_finish, on_first_token
+        self._inbox: queue.Queue[tuple[str, Handle | None]] = queue.Queue()
+        self._handles: dict[Request, Handle] = {}
+        self._pending = 0                      # submitted, not yet in a slot
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stats = batcher.stats.to_dict()  # snapshot, replaced after each step
+        self._num_steps = 0
+        self.error: BaseException | None = None
+
+    # -- called from HTTP handlers ------------------------------------------------------------
+    def submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> Handle:
+        self.batcher.check(req)
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"{self._pending} requests are already waiting for a slot "
+                                f"(--max_queue_len={self.max_queue}); retry later")
+            self._pending += 1
+        handle = Handle(req, loop)
+        self._inbox.put(("add", handle))
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        self._inbox.put(("abort", handle))
+
+    def stats(self) -> dict:
+        return self._stats
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
+    def num_running(self) -> int:
+        return self.batcher.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        last_log, logged_steps = time.monotonic(), 0
+        while not self._stop.is_set():
+            self._drain(block=not self.batcher.has_work())
+            if self.batcher.has_work():
+                try:
+                    touched = self.batcher.step()
+                except Exception as e:  # a failed step must not kill the server
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    continue
+                self._num_steps = self.batcher.num_steps
+                self._stats = self.batcher.stats.to_dict()
+                for req in touched:
+                    self._push(req)
+            now = time.monotonic()
+            if now - last_log >= self.stats_interval:
+                if self._num_steps != logged_steps:
+                    log.info(format_mtp_stats(self._stats, f"engine steps {self._num_steps}, running "
+                                                          f"{self.num_running}, waiting {self.num_waiting}"))
+                    logged_steps = self._num_steps
+                last_log = now
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=min(1.0, self.stats_interval)) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_inbox(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_inbox(self, kind: str, handle: Handle | None) -> None:
+        if kind == "add":
+            assert handle is not None
+            try:
+                self.batcher.add(handle.request)
+            except RequestError as e:          # validated at submit; kept for safety
+                self._release_pending()
+                self._send(handle, Update([], error=str(e)))
+                return
+            self._handles[handle.request] = handle
+        elif kind == "abort":
+            assert handle is not None
+            req = handle.request
+            if self._handles.pop(req, None) is not None:
+                if handle.sent == 0:
+                    self._release_pending()    # it was still waiting
+                self.batcher.abort(req)
+                if self.on_finish is not None:
+                    self.on_finish(handle, Update([], "abort", req.stats.to_dict() if req.stats else None))
+
+    def _release_pending(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _push(self, req: Request) -> None:
+        handle = self._handles.get(req)
+        if handle is None:
+            return
+        if handle.sent == 0 and req.tokens:
+            self._release_pending()            # admitted: it holds a slot now
+            if self.on_first_token is not None:
+                self.on_first_token(handle)
+        update = Update(req.tokens[handle.sent:])
+        handle.sent = len(req.tokens)
+        if req.finish_reason is not None:
+            update.finish_reason, update.stats = req.finish_reason, req.stats.to_dict()
+            del self._handles[req]
+            if self.on_finish is not None:
+                self.on_finish(handle, update)
+        self._send(handle, update)
+
+    def _fail_all(self, message: str) -> None:
+        for req, handle in list(self._handles.items()):
+            if handle.sent == 0:               # includes requests admitted by the failed step
+                self._release_pending()
+            self.batcher.abort(req)
+            self._send(handle, Update([], error=message))
+        self._handles.clear()
+
+    @staticmethod
+    def _send(handle: Handle, update: Update) -> None:
+        try:
+            handle.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
+        except RuntimeError:                   # the handler's event loop is gone (shutdown)
+            pass

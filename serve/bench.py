@@ -1,0 +1,113 @@
+"""The acceptance benchmark: `python -m serve.bench --model DIR --draft_model DIR
+--benchmarks gsm8k,humaneval,mtbench,aime26 --aime_file aime2026.jsonl`.
+
+Greedy, concurrency 1, chat template on, official prompt counts unless `--limit`. Prints the card's
+table (tok/fwd, acceptance %, prompts) and, with `--reference_draft`, the same-stack ratio table;
+writes `--output_json` and the per-position acceptance plot (`--output_png`, default beside the
+JSON). Omitted model flags run the demo pair. Multi-host: the same command on every host with the
+`dspark_jax.distributed` settings and `--tp` = all devices; process 0 prints and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+from dspark_jax import distributed  # also defines --coordinator_address, --num_processes, --process_id
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "Target directory or preset (default: smollm2-135m).")
+flags.DEFINE_string("draft_model", None, "Draft directory or preset (default: smollm2-135m-dspark); "
+                    "'untrained[:CONFIG.json]' for a random draft.")
+flags.DEFINE_string("reference_draft", None, "A second draft run on the same prompts: adds the ratio table.")
+flags.DEFINE_list("benchmarks", None, "Subset of gsm8k,humaneval,mt_bench (mtbench),aime (aime26); default: all "
+                  "four (AIME only when --aime_file is given).")
+flags.DEFINE_string("aime_file", None, "AIME JSONL ({id, problem, answer} per line), e.g. aime2026.jsonl.")
+flags.DEFINE_integer("limit", None, "First N prompts of each benchmark (default: the official counts).",
+                     lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 512, "Tokens generated per turn.", lower_bound=1)
+flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step.", lower_bound=1)
+flags.DEFINE_string("kv_cache_dtype", "auto", "Paged cache storage: auto, bf16, fp32 or fp8.")
+flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
+flags.DEFINE_integer("max_model_len", 4096, "Largest cache capacity for a conversation (prompt + answer); "
+                     "each conversation gets the smallest power of two (>= 256) that fits.", lower_bound=64)
+flags.DEFINE_integer("block_size", 16, "Tokens per page of the paged cache.", lower_bound=1)
+flags.DEFINE_string("output_json", None, "Write the results here (JSON).")
+flags.DEFINE_string("output_png", None, "Per-position acceptance plot (default: beside --output_json).")
+flags.DEFINE_bool("progress", True, "Show a progress bar per benchmark.")
+
+log = logging.getLogger("dspark_jax.serving")
+
+
+def main(argv) -> None:
+    del argv
+    from dspark_jax.data.benchmarks import OFFICIAL_COUNTS
+    from dspark_jax.serving import bench
+    from dspark_jax.serving.models import describe, load_draft_spec, load_pair
+
+    try:   # multi-host: every process runs this same program on one global mesh (--tp = all devices)
+        distributed.initialize_from_flags_or_env()
+    except distributed.DistributedError as e:
+        raise app.UsageError(str(e)) from None
+    primary = distributed.is_primary()         # process 0 logs, prints and writes the results
+    logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
+    progress = FLAGS.progress and primary
+    if FLAGS.benchmarks:
+        names = bench.resolve_benchmarks(FLAGS.benchmarks)
+        if "aime" in names and not FLAGS.aime_file:
+            raise app.UsageError("AIME has no registry source: pass --aime_file (e.g. aime2026.jsonl) "
+                                 "or drop it from --benchmarks")
+    else:
+        names = list(bench.DEFAULT_BENCHMARKS if FLAGS.aime_file else bench.DEFAULT_BENCHMARKS[:3])
+        if not FLAGS.aime_file:
+            log.warning("AIME 2026 skipped: no --aime_file given (no registry ships AIME)")
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, missing_draft="untrained")
+    if pair.draft is None:
+        raise app.UsageError("the benchmark measures a draft: --draft_model none is not meaningful here")
+    for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
+                         kv_cache_dtype=FLAGS.kv_cache_dtype):
+        log.info(line)
+    for note in pair.notes:
+        log.warning(note)
+    items = bench.load_items(names, FLAGS.limit, FLAGS.aime_file)
+    for n in names:
+        official = OFFICIAL_COUNTS[n]
+        log.info("%s: %d prompts%s", bench.CARD_NAMES[n], len(items[n]),
+                 "" if len(items[n]) == official else f" (official count {official})")
+    kw = dict(num_speculative_tokens=FLAGS.num_speculative_tokens, max_new_tokens=FLAGS.max_new_tokens,
+              max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size)
+    runner = bench.Runner(pair.target, pair.draft, pair.tokenizer, **kw)
+    results = {n: bench.run_benchmark(runner, n, items[n], progress) for n in names}
+    reference = None
+    if FLAGS.reference_draft:
+        ref_draft = load_draft_spec(FLAGS.reference_draft, pair.target, pair.mesh)
+        ref_runner = bench.Runner(pair.target, ref_draft, pair.tokenizer, **kw)
+        reference = {n: bench.run_benchmark(ref_runner, n, items[n], progress,
+                                            desc=f"{bench.CARD_NAMES[n]} (reference)") for n in names}
+    if not primary:
+        return
+
+    print(f"\nDSpark acceptance: {pair.target_name} + {pair.draft_name}, T=0, concurrency 1, chat template, "
+          f"{FLAGS.num_speculative_tokens} speculative tokens, max {FLAGS.max_new_tokens} new tokens\n")
+    print(bench.card_table(results))
+    if reference is not None:
+        print(f"\nSame stack, reference draft {FLAGS.reference_draft}:\n")
+        print(bench.ratio_table(results, reference))
+    sys.stdout.flush()
+    settings = {"model": pair.target_name, "draft_model": pair.draft_name, "reference_draft": FLAGS.reference_draft,
+                "benchmarks": names, "limit": FLAGS.limit, "temperature": 0.0, "concurrency": 1,
+                "chat_template": True, "notes": pair.notes, **kw}
+    png = FLAGS.output_png
+    if FLAGS.output_json:
+        path = bench.write_json(FLAGS.output_json, settings, results, reference)
+        log.info("wrote %s", path)
+        png = png or str(Path(FLAGS.output_json).with_suffix(".png"))
+    if png:
+        log.info("wrote %s", bench.plot_per_position(results, png, reference))
+
+
+if __name__ == "__main__":
+    app.run(main)

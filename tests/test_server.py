@@ -1,0 +1,355 @@
+"""The OpenAI-compatible server (issue 7): `python -m serve.server` in a subprocess on loopback,
+serving a tiny random Llama with SmolLM2's tokenizer and chat template plus a tiny random draft
+(tests/serve_utils.py), driven by the official `openai` client and raw httpx.
+
+Every T=0 answer must equal `generate()` on the same checkpoints in this process (same text,
+token for token). The load test is 32 concurrent clients x 3 requests each (96 requests, mixed
+chat/completions, streaming and not) rather than 60 s, to keep CI time sane; with 8 slots the
+server still runs full batches with admissions and departures in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jax
+import openai
+import pytest
+
+from dspark_jax import generate, load_draft, load_target
+from dspark_jax.generate import Batcher, Engine, eos_ids, tokenizer_for
+from dspark_jax.serving.app import ServerConfig, TextStream, create_app
+from dspark_jax.serving.models import load_pair
+from dspark_jax.serving.worker import EngineWorker
+from tests.serve_utils import write_tiny_draft, write_tiny_target
+
+T = 4                      # speculative tokens of the served pair
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+
+CHAT_PROMPTS = ["Hello there, how are you?", "Write a haiku about the sea.", "What is 17 * 3?",
+                "List three colours.", "Explain recursion in one sentence.", "Translate 'cat' to French.",
+                "Name a prime number above 100.", "Why is the sky blue?"]
+TEXT_PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,",
+                "import numpy as np\n", "Dear Sir or Madam,", "In 1492, Columbus", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny_pair")
+    return write_tiny_target(root / "target", Path(smollm2_dir)), write_tiny_draft(root / "draft")
+
+
+@pytest.fixture(scope="module")
+def models(pair_dirs):
+    target_dir, draft_dir = pair_dirs
+    return load_target(target_dir), load_draft(draft_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(pair_dirs, tmp_path_factory):
+    """(base url, log path) of a running server; stopped (SIGTERM) at the end of the module."""
+    target_dir, draft_dir = pair_dirs
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server_log") / "server.log"
+    env = dict(os.environ, XLA_FLAGS="")          # one device: the reference runs on one device too
+    cmd = [sys.executable, "-m", "serve.server", "--model", str(target_dir), "--draft_model", str(draft_dir),
+           "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
+           "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1"]
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.5)
+    yield url, log_path
+    proc.terminate()
+    proc.wait(30)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _reference(models, prompts, chat: bool, max_tokens: int) -> list[str]:
+    target, draft = models
+    res = generate(target, draft, prompts, max_new_tokens=max_tokens, num_speculative_tokens=T, chat=chat)
+    return [o.text for o in res.outputs]
+
+
+def _chat(client, prompt, max_tokens, stream, **extra):
+    """(text, finish_reason, per-request mtp_stats) of one chat request."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+              **extra)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.model_extra["mtp_stats"]
+    parts, finish, stats = [], None, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        if ch.choices and ch.choices[0].delta.content:
+            parts.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            finish, stats = ch.choices[0].finish_reason, ch.model_extra["mtp_stats"]
+    return "".join(parts), finish, stats
+
+
+def _completion(client, prompt, max_tokens, stream):
+    kw = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        r = client.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.model_extra["mtp_stats"]
+    parts, finish, stats = [], None, None
+    for ch in client.completions.create(stream=True, **kw):
+        if ch.choices:
+            parts.append(ch.choices[0].text)
+            if ch.choices[0].finish_reason:
+                finish, stats = ch.choices[0].finish_reason, ch.model_extra["mtp_stats"]
+    return "".join(parts), finish, stats
+
+
+def test_openai_client_equals_generate(server, models):
+    url, _ = server
+    client = _client(url)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    want_chat = _reference(models, CHAT_PROMPTS[:2], True, 24)
+    want_text = _reference(models, TEXT_PROMPTS[:2], False, 24)
+    for stream in (False, True):
+        for prompt, want in zip(CHAT_PROMPTS[:2], want_chat):
+            text, finish, stats = _chat(client, prompt, 24, stream)
+            assert text == want, (stream, prompt)
+            assert finish in ("stop", "length") and stats["total_draft_tokens"] == T * stats["num_verify_steps"]
+        for prompt, want in zip(TEXT_PROMPTS[:2], want_text):
+            text, finish, _ = _completion(client, prompt, 24, stream)
+            assert text == want, (stream, prompt)
+    # a stop string from the middle of the greedy answer: generate() and the server cut there
+    full = want_chat[0]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    ref = generate(*models, [CHAT_PROMPTS[0]], max_new_tokens=24, num_speculative_tokens=T, stop=[stop]).outputs[0]
+    assert ref.text == full[:full.index(stop)] and ref.finish_reason == "stop"
+    for stream in (False, True):
+        assert _chat(client, CHAT_PROMPTS[0], 24, stream, stop=[stop])[:2] == (ref.text, "stop")
+    # usage counts the prompt the chat template produced and every generated token
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
+                                       max_tokens=5, temperature=0)
+    target, _ = models
+    tok = tokenizer_for(target)
+    n_prompt = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}])))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 5)
+    assert r.choices[0].finish_reason == "length"
+
+
+def _stats_counters(url):
+    s = httpx.get(url + "/debug/mtp_stats").json()
+    return s["total_draft_tokens"], s["total_accepted_tokens"], s["num_verify_steps"], s["distribution"]
+
+
+def test_load_32_concurrent_clients(server, models):
+    url, log_path = server
+    max_tokens = 20
+    want = {("chat", p): w for p, w in zip(CHAT_PROMPTS, _reference(models, CHAT_PROMPTS, True, max_tokens))}
+    want |= {("text", p): w for p, w in zip(TEXT_PROMPTS, _reference(models, TEXT_PROMPTS, False, max_tokens))}
+    before = _stats_counters(url)
+
+    def client_loop(c: int):
+        client = _client(url)
+        out = []
+        for r in range(3):                      # bounded: 3 requests per client
+            kind = "chat" if (c + r) % 2 else "text"
+            prompt = (CHAT_PROMPTS if kind == "chat" else TEXT_PROMPTS)[(c * 3 + r) % 8]
+            fn = _chat if kind == "chat" else _completion
+            text, finish, stats = fn(client, prompt, max_tokens, stream=bool((c + r // 2) % 2))
+            out.append((kind, prompt, text, finish, stats))
+        return out
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        results = [x for chunk in pool.map(client_loop, range(32)) for x in chunk]
+    elapsed = time.monotonic() - t0
+    assert len(results) == 96
+    for kind, prompt, text, finish, _ in results:
+        assert text == want[(kind, prompt)], (kind, prompt)
+        assert finish in ("stop", "length")
+    # the cumulative counters moved by exactly the sum of the per-request statistics
+    after = _stats_counters(url)
+    total = [0, 0, 0, {k: 0 for k in after[3]}]
+    for *_, stats in results:
+        total[0] += stats["total_draft_tokens"]
+        total[1] += stats["total_accepted_tokens"]
+        total[2] += stats["num_verify_steps"]
+        for k, v in stats["distribution"].items():
+            total[3][k] += v
+    assert after[0] - before[0] == total[0] > 0
+    assert after[1] - before[1] == total[1]
+    assert after[2] - before[2] == total[2]
+    assert {k: after[3][k] - before[3][k] for k in after[3]} == total[3]
+    metrics = httpx.get(url + "/metrics").text
+    assert re.search(r'^dspark_http_requests_total\{path="/v1/completions",status="200"\} \d+', metrics, re.M)
+    assert "dspark_num_requests_running 0" in metrics
+    # start-up description and the periodic statistics line
+    time.sleep(1.5)
+    log = log_path.read_text()
+    for needle in ("target: ", "family=llama", "drafter: DSpark", "aux capture layer ids [0, 2]",
+                   "kv cache: --kv_cache_dtype auto", "mesh: ", "[MTP Stats] verify steps"):
+        assert needle in log, needle
+    print(f"load test: 96 requests from 32 clients in {elapsed:.1f} s")
+
+
+BAD = [
+    # (path, raw body, status, message fragment)
+    ("/v1/chat/completions", "{not json", 400, "malformed JSON"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny"}), 400, "messages: required"),
+    ("/v1/completions", json.dumps({"model": "tiny"}), 400, "prompt: required"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": -3}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi " * 1100}), 400, "max_model_len=1024"),
+    ("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "hi"}), 404, "gpt-9"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "top_p": 0}), 400, "top_p"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 3}), 400, "n: not supported"),
+    ("/v1/completions", json.dumps({"prompt": [1, 10 ** 9]}), 400, "outside the vocabulary"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}), 400, "messages[0].content"),
+    ("/v1/chat/completions", json.dumps([1, 2]), 400, "JSON object"),
+    ("/v1/chat/completions", json.dumps({"messages": "hi"}), 400, "messages"),
+]
+
+
+def test_bad_requests_get_4xx_and_server_keeps_serving(server, models):
+    url, _ = server
+    auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
+        for path, body, status, fragment in BAD:
+            r = c.post(path, content=body)
+            assert r.status_code == status, (body[:60], r.status_code, r.text)
+            assert fragment in r.json()["error"]["message"], (body[:60], r.json())
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=60)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    # the official client surfaces the message
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        _client(url).completions.create(model="tiny", prompt="hi", max_tokens=-1)
+    text, _, _ = _completion(_client(url), TEXT_PROMPTS[0], 8, False)
+    assert text == _reference(models, TEXT_PROMPTS[:1], False, 8)[0]
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_client_disconnect_frees_the_slot(server):
+    url, _ = server
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = 'dspark_requests_finished_total{finish_reason="abort"}'
+    before = _metric(httpx.get(url + "/metrics").text, aborted)
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break                          # leave mid-stream: ~1000 tokens still to go
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(url + "/metrics").text
+        if _metric(metrics, "dspark_num_requests_running") == 0 and _metric(metrics, aborted) == before + 1:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.2)
+    r = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_queue_full_answers_503(models):
+    """In process: a worker that is not started never admits anything, so with max_queue=1 the
+    second request finds the queue full."""
+    target, draft = models
+    tok = tokenizer_for(target)
+    worker = EngineWorker(Batcher(Engine(target, draft, T), 2, 256), max_queue=1)
+    cfg = ServerConfig(["tiny"], 256, T, target.cfg.vocab_size, frozenset(eos_ids(target, tok)))
+    app = create_app(worker, tok, cfg)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+            await asyncio.sleep(0.2)
+            second = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            first.cancel()
+            return second
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 503 and "max_queue_len=1" in r.json()["error"]["message"]
+
+
+def test_text_stream_holds_back_partial_stop_strings(models):
+    """Streaming deltas concatenate to the final text even when a stop string spans tokens."""
+    target, _ = models
+    tok = tokenizer_for(target)
+    ids = tok.encode("alpha beta gamma STOP delta")
+    stream = TextStream(tok, frozenset(), ["STOP"])
+    pieces = [stream.feed([i], final=False) for i in ids]
+    pieces.append(stream.feed([], final=True))
+    assert "".join(pieces) == "alpha beta gamma "
+    assert all("S" not in p for p in pieces)     # "S", "ST", ... were held back, never sent
+
+
+def test_tensor_parallel_pair_equals_single_device(pair_dirs):
+    """`--tp`: the pair loaded onto a 2-device tensor mesh generates what one device does (the
+    suite runs with 8 fake CPU devices)."""
+    tp = min(2, jax.device_count())
+    one = load_pair(*map(str, pair_dirs), tp=1)
+    many = load_pair(*map(str, pair_dirs), tp=tp)
+    a = generate(one.target, one.draft, CHAT_PROMPTS[:2], max_new_tokens=12, num_speculative_tokens=T)
+    b = generate(many.target, many.draft, CHAT_PROMPTS[:2], max_new_tokens=12, num_speculative_tokens=T)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+def test_generate_cli_prints_text_and_stats(pair_dirs, models):
+    target_dir, draft_dir = pair_dirs
+    proc = subprocess.run([sys.executable, "-m", "serve.generate", "--model", str(target_dir), "--draft_model",
+                           str(draft_dir), "--prompt", CHAT_PROMPTS[0], "--max_new_tokens", "16",
+                           "--num_speculative_tokens", str(T)], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = _reference(models, CHAT_PROMPTS[:1], True, 16)[0]
+    assert proc.stdout.startswith(want + "\n")
+    assert proc.stdout.splitlines()[-1].startswith("[MTP Stats] verify steps")
+    assert "aux capture layer ids [0, 2]" in proc.stderr
+
+
+def test_default_pair_falls_back_while_demo_draft_is_missing(smollm2_dir, monkeypatch):
+    """Without model flags the entry points take the demo pair; until the demo draft preset
+    ships, `serve.generate`/`serve.server` fall back to plain decoding and say so."""
+    from dspark_jax import presets
+    monkeypatch.setenv("DSPARK_CACHE", str(Path(smollm2_dir).parent))
+    pair = load_pair()
+    assert pair.target_name == "smollm2-135m" and pair.tokenizer is not None
+    try:
+        presets.resolve_model_path("smollm2-135m-dspark")
+    except NotImplementedError:
+        assert pair.draft is None and "plain decoding" in pair.notes[0]
+    else:
+        assert pair.draft is not None and not pair.notes
