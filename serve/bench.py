@@ -35,6 +35,8 @@ flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 flags.DEFINE_integer("max_model_len", 4096, "Largest cache capacity for a conversation (prompt + answer); "
                      "each conversation gets the smallest power of two (>= 256) that fits.", lower_bound=64)
 flags.DEFINE_integer("block_size", 16, "Tokens per page of the paged cache.", lower_bound=1)
+flags.DEFINE_integer("max_turns", None, "Turns per conversation at most (MT-Bench first turns: 1; default: all).",
+                     lower_bound=1)
 flags.DEFINE_string("output_json", None, "Write the results here (JSON).")
 flags.DEFINE_string("output_png", None, "Per-position acceptance plot (default: beside --output_json).")
 flags.DEFINE_bool("progress", True, "Show a progress bar per benchmark.")
@@ -78,7 +80,8 @@ def main(argv) -> None:
         log.info("%s: %d prompts%s", bench.CARD_NAMES[n], len(items[n]),
                  "" if len(items[n]) == official else f" (official count {official})")
     kw = dict(num_speculative_tokens=FLAGS.num_speculative_tokens, max_new_tokens=FLAGS.max_new_tokens,
-              max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size)
+              max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size,
+              max_turns=FLAGS.max_turns)
     runner = bench.Runner(pair.target, pair.draft, pair.tokenizer, **kw)
     results = {n: bench.run_benchmark(runner, n, items[n], progress) for n in names}
     reference = None

@@ -131,6 +131,82 @@ def test_trained_state_in_orbax_exports_torchspec_file(tmp_path):
     assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("save_bytes, load_bytes", [(256, 256), (256, 1000), (40, 256)])
+def test_tensors_bigger_than_a_chunk_stream_in_bands(tmp_path, monkeypatch, save_bytes, load_bytes):
+    """With a tiny band size (`_CHUNK_BYTES`) most tensors move in row bands: stored as several
+    Orbax chunks (the last one short; at 40 bytes a 64-byte row is a chunk of its own), read
+    back in bands of whole chunks (also when the band size differs from the one they were
+    written with), and never read whole; the round trip stays byte-identical, Orbax restores
+    the arrays, and load_draft reads them."""
+    src, orb, back = tmp_path / "torch", tmp_path / "orbax", tmp_path / "back"
+    make_torch_draft(src, dtype=torch.bfloat16)
+    pieces = []                                    # (tensor, rows, bytes) of every read
+
+    def recording(cls):
+        real = cls.read
+
+        def read(self, name, rows=None, out=None):
+            arr = real(self, name, rows, out)
+            pieces.append((name, rows, arr.nbytes))
+            return arr
+        monkeypatch.setattr(cls, "read", read)
+
+    recording(draft_io.TorchDraft)
+    recording(draft_io.OrbaxDraft)
+    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", save_bytes)
+    torch_to_orbax(src, orb, check=True)
+    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", load_bytes)
+    orbax_to_torch(orb, back, check=True)
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+    theirs = load_file(str(src / "model.safetensors"))
+    stored = draft_io._flatten(ocp.metadata(orb / "params").metadata)
+    tree = draft_io._flatten(ocp.load(orb / "params"))
+    banded = 0
+    for name, t in theirs.items():
+        nbytes, row = t.numel() * 2, t[0].numel() * 2
+        chunk = stored[name].storage_metadata.chunk_shape
+        assert tuple(chunk[1:]) == tuple(t.shape[1:])          # chunks are bands of full rows
+        if nbytes > save_bytes and t.shape[0] > 1:
+            assert chunk[0] < t.shape[0] and chunk[0] * row <= save_bytes + row
+            banded += 1
+        else:
+            assert chunk[0] == t.shape[0]
+        assert tree[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(tree[name].view(np.uint16), t.view(torch.int16).numpy().view(np.uint16))
+        # tensors bigger than the band are only ever read in pieces that are whole rows
+        for _, rows, got in (p for p in pieces if p[0] == name):
+            if nbytes > max(save_bytes, load_bytes) + row:
+                assert rows is not None and got < nbytes and got <= max(save_bytes, load_bytes) + row
+    assert banded >= 20
+    # the tiny placeholders Orbax wrote first are gone: every array has its real shape
+    assert {n: tuple(m.shape) for n, m in stored.items()} == {n: tuple(t.shape) for n, t in theirs.items()}
+    a, b = flat_params(load_draft(src)), flat_params(load_draft(orb))
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k].get_value()), np.asarray(b[k].get_value()))
+
+
+def test_failure_mid_stream_waits_for_band_writes_and_leaves_nothing(tmp_path, monkeypatch):
+    """A source read failing while earlier bands are still being written: the error is raised
+    and the staging dir is removed only after those writes finish (nothing recreated)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_torch_draft(src, dtype=torch.bfloat16)
+    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", 256)
+    calls, real = [], draft_io.TorchDraft.read
+
+    def failing(self, name, rows=None, out=None):
+        calls.append(name)
+        if len(calls) == 40:
+            raise CheckpointError(f"injected failure reading {name!r}")
+        return real(self, name, rows, out)
+
+    monkeypatch.setattr(draft_io.TorchDraft, "read", failing)
+    with pytest.raises(CheckpointError, match="injected failure"):
+        torch_to_orbax(src, dst)
+    assert len(calls) == 40 and not dst.exists() and not _leftovers(dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 # ---------------------------------------------------------------------------------------------
 # (2) numerics against the torch reference
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from dspark_jax import sharding
 from dspark_jax.checkpoint import safetensors_io
 from dspark_jax.checkpoint.loader import expert_tensor_name, load_state
-from dspark_jax.models.llama import LlamaKVCache, LlamaModel, load_llama
+from dspark_jax.models.llama import LlamaModel, load_llama
 from dspark_jax.params import flat_params, param
 
 N_LAYERS, VOCAB = 3, 64
@@ -113,40 +113,46 @@ def test_padded_forward_matches_transformers(hf):
     np.testing.assert_allclose(np.asarray(out.logits)[valid], ref[valid], rtol=1e-4, atol=1e-4)
 
 
-def test_cached_matches_cacheless(untied_dir):
-    """Prefill of ragged rows (right-padded, pad positions -1), then token-by-token decode, then
-    a 3-token verify step: every real token's logits/aux equal the cacheless forward."""
+def test_paged_steps_match_cacheless(untied_dir):
+    """Through the paged pool (page size 4, so rows cross pages): prefill of ragged rows, then
+    token-by-token decode, then a 3-token verify step: every real token's logits/aux equal the
+    cacheless forward."""
+    from dspark_jax import steps
+    from dspark_jax.cache import PagedPool
+
     model = load_llama(untied_dir)
+    cfg = model.cfg
     rng = np.random.default_rng(2)
     lengths, n_decode, max_len = (7, 4), 3, 24
     full = [rng.integers(0, VOCAB, n + n_decode + 3) for n in lengths]
     aux_ids = (0, 2)
-    step = nnx.jit(lambda m, t, p, c: m.forward_cached(t, p, c, aux_ids))
+    step = nnx.jit(lambda m, t, p, v, c: steps.target_forward(m, t, p, v, c, aux_ids, verify=False)[:2])
     got = [dict() for _ in lengths]    # row -> {position: (logits, aux)}
 
-    def run(tokens_BT, positions_BT, cache):
-        out, cache = step(model, jnp.asarray(tokens_BT), jnp.asarray(positions_BT), cache)
+    def run(tokens_BT, positions_BT, valid_BT, caches):
+        out, caches = step(model, jnp.asarray(tokens_BT), jnp.asarray(positions_BT), jnp.asarray(valid_BT), caches)
         for b in range(len(lengths)):
             for t, p in enumerate(positions_BT[b]):
-                if p >= 0:
+                if valid_BT[b, t]:
                     got[b][int(p)] = (np.asarray(out.logits[b, t]), np.asarray(out.aux_hidden[b, t]))
-        return cache
+        return caches
 
-    cache = LlamaKVCache.create(model.cfg, len(lengths), max_len, jnp.float32)
+    pool = PagedPool.create(cfg.num_hidden_layers, len(lengths), max_len, 4,
+                            2 * cfg.num_key_value_heads * cfg.head_dim, jnp.float32)
+    caches = steps.TargetCaches(pool, None)
     t0 = max(lengths)
     tok = np.zeros((2, t0), np.int64)
-    pos = -np.ones((2, t0), np.int64)
+    pos = np.tile(np.arange(t0), (2, 1))
+    valid = pos < np.array(lengths)[:, None]
     for b, n in enumerate(lengths):
-        tok[b, :n], pos[b, :n] = full[b][:n], np.arange(n)
-    cache = run(tok, pos, cache)
-    np.testing.assert_array_equal(cache.lengths, lengths)
+        tok[b, :n] = full[b][:n]
+    caches = run(tok, pos, valid, caches)
     for i in range(n_decode):
-        cache = run(np.array([[full[b][n + i]] for b, n in enumerate(lengths)]),
-                    np.array([[n + i] for n in lengths]), cache)
+        caches = run(np.array([[full[b][n + i]] for b, n in enumerate(lengths)]),
+                     np.array([[n + i] for n in lengths]), np.ones((2, 1), bool), caches)
     cur = [n + n_decode for n in lengths]
-    cache = run(np.stack([full[b][c:c + 3] for b, c in enumerate(cur)]),
-                np.stack([np.arange(c, c + 3) for c in cur]), cache)
-    np.testing.assert_array_equal(cache.lengths, [c + 3 for c in cur])
+    caches = run(np.stack([full[b][c:c + 3] for b, c in enumerate(cur)]),
+                 np.stack([np.arange(c, c + 3) for c in cur]), np.ones((2, 3), bool), caches)
 
     for b, seq in enumerate(full):
         ref = _jit_forward(model, seq[None], aux_ids)

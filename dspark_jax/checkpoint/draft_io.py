@@ -17,12 +17,16 @@ An Orbax dir without the layout file (a trained draft: `nnx.to_pure_dict(nnx.sta
 nnx.Param))` saved under params/, config.json beside) exports with a fresh header in the reference
 writer's order and the TorchSpec metadata, i.e. the file TorchSpec itself would write.
 
-Streaming: tensors are read one at a time (torch side: straight into one array; Orbax side: a
-partial load of one leaf) and written one group at a time (Orbax partial saves of at most
-`_GROUP_BYTES`, a tensor above that alone, without Orbax's defensive copy), so host memory peaks
-near one copy of the largest tensor torch -> Orbax and two Orbax -> torch (tensorstore's read
-buffer and the result), never the checkpoint. Output goes to a temp dir next to the destination
-and is renamed into place at the end; any failure removes it.
+Streaming: no tensor is ever whole in memory. Tensors move in row bands of about `_CHUNK_BYTES`
+(dim 0 cut; a tensor that fits one band moves whole), through a few reused buffers. Torch ->
+Orbax: Orbax writes the tree (its metadata and a one-element placeholder per leaf), then
+tensorstore replaces each placeholder by the real zarr array, chunked in exactly those bands, and
+writes it band by band as they are read from model.safetensors. Orbax -> torch: bands of whole
+stored chunks are read by tensorstore (from mapped files) and appended to the file. `ocp.load`
+and `load_draft` read the result like any Orbax checkpoint. Reads overlap writes, memory stays at
+a few bands whatever the tensor sizes, nothing is fsynced per write (every output file once at
+the end). Output goes to a temp dir next to the destination and is renamed into place at the end;
+any failure removes it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import re
 import shutil
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +65,10 @@ TORCHSPEC_METADATA = {"torchspec_version": "0.1.0"}
 LAYOUT_FORMAT = "dspark_jax.draft_orbax"
 LAYOUT_VERSION = 1
 
-_GROUP_BYTES = 256 * 2**20    # fewer Orbax partial saves (each commits metadata) at bounded memory
-_COMPARE_BYTES = 64 * 2**20   # --check compares in slices: no full-size temporaries
+_CHUNK_BYTES = 64 * 2**20     # a row band: the unit of every read, write and --check compare, and
+                              # the stored Orbax chunk (big enough for full-speed sequential I/O)
+_IN_FLIGHT = 2                # torch -> Orbax: band writes outstanding while the next band is read
+_ORBAX_TREE_DIR = "state"     # the checkpointable Orbax v1 saves a PyTree under
 _MAX_LISTED = 12
 
 Progress = Callable[[str], None]
@@ -256,6 +263,57 @@ def _entries_in_file_order(sf: SafetensorsFile) -> list[TensorEntry]:
     return [TensorEntry(i.name, i.dtype, i.shape) for i in infos]
 
 
+Rows = tuple[int, int]        # a row band: rows [start, stop) of dim 0
+
+
+def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+
+
+def _row_bands(shape: tuple[int, ...], itemsize: int, unit: int = 1) -> list[Rows] | None:
+    """Dim 0 of `shape` cut into bands of about `_CHUNK_BYTES`, each a whole number of `unit` rows
+    (the stored chunk height: no chunk is read or written in part); None when one band is the whole
+    tensor, which then moves whole."""
+    if not shape:
+        return None
+    step = max(1, _CHUNK_BYTES // max(1, _row_bytes(shape, itemsize)) // unit) * unit
+    if step >= shape[0]:
+        return None
+    return [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
+
+
+def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows per stored Orbax chunk: the fewest chunks of about `_CHUNK_BYTES` (one row if a row is
+    bigger), evened out so that the last one is barely padded."""
+    if not shape:
+        return 1
+    n = max(1, -(-shape[0] * _row_bytes(shape, itemsize) // _CHUNK_BYTES))
+    return max(1, -(-shape[0] // n))
+
+
+def _piece_shape(t: TensorEntry, rows: Rows | None) -> tuple[int, ...]:
+    return t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
+
+
+class _Ring:
+    """`n` buffers reused in turn for the bands in flight: a fresh array per band would cost a
+    page fault per page, as much as the copy itself. The caller keeps a buffer's band alive
+    only until `n - 1` later bands have been handed out."""
+
+    def __init__(self, pieces: Sequence[tuple[TensorEntry, Rows | None]], n: int):
+        size = max((int(np.prod(_piece_shape(t, rows), dtype=np.int64)) * DTYPES[t.dtype].itemsize
+                    for t, rows in pieces), default=0)
+        self._bufs = [np.empty(size, np.uint8) for _ in range(n)]
+        self._next = 0
+
+    def take(self, t: TensorEntry, rows: Rows | None) -> np.ndarray:
+        """The next buffer, as an (uninitialised) array of the band's shape and dtype."""
+        dtype, shape = DTYPES[t.dtype], _piece_shape(t, rows)
+        buf = self._bufs[self._next % len(self._bufs)]
+        self._next += 1
+        return buf[:int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+
+
 @dataclass
 class TorchDraft:
     """A validated torch-layout draft directory (headers only; no tensor data read)."""
@@ -265,14 +323,23 @@ class TorchDraft:
     file: SafetensorsFile
     tensors: list[TensorEntry]    # file order
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor, read straight into its array (one copy of the tensor in memory)."""
+    def _span(self, name: str, rows: Rows | None) -> tuple[np.dtype, tuple[int, ...], int]:
+        """dtype, shape and file offset of tensor `name` or of its band `rows`."""
         info = self.file.tensors[name]
-        arr = np.empty(info.shape, info.np_dtype)
+        if rows is None:
+            return info.np_dtype, info.shape, info.begin
+        return (info.np_dtype, (rows[1] - rows[0], *info.shape[1:]),
+                info.begin + rows[0] * _row_bytes(info.shape, info.np_dtype.itemsize))
+
+    def read(self, name: str, rows: Rows | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """One tensor, or its band `rows`, read straight into a fresh array or into `out` (of the
+        band's shape and dtype; reused buffers spare the allocation)."""
+        dtype, shape, begin = self._span(name, rows)
+        arr = np.empty(shape, dtype) if out is None else out
         with open(self.file.path, "rb") as f:
-            f.seek(info.begin)
+            f.seek(begin)
             got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
-        if got != info.nbytes:
+        if got != arr.nbytes:
             raise CheckpointError(f"{self.file.path}: truncated while reading tensor {name!r}")
         return arr
 
@@ -297,7 +364,7 @@ def _orbax():
     return ocp
 
 
-def _orbax_context(*, partial_load: bool = False):
+def _orbax_context():
     ocp = _orbax()
     ctx = ocp.Context()
     # bf16 weights barely compress; zstd would dominate the conversion time
@@ -305,7 +372,6 @@ def _orbax_context(*, partial_load: bool = False):
     # the arrays are ours and never mutated during the save: Orbax's defensive copy would double
     # the peak memory
     ctx.memory.deepcopy_host_arrays = False
-    ctx.pytree.loading.partial_load = partial_load
     return ctx
 
 
@@ -332,6 +398,75 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
     return out
 
 
+class _OrbaxArrays:
+    """The zarr arrays of an Orbax PyTree checkpoint, opened with tensorstore the way Orbax opens
+    them (one array per leaf, keyed by its dotted path, in an OCDBT database unless the tree
+    metadata says otherwise), so that tensors move in row bands: `ocp.load` restores leaves whole."""
+
+    def __init__(self, params_dir: Path):
+        import tensorstore as ts
+
+        root = params_dir / _ORBAX_TREE_DIR
+        if not (root / "_METADATA").is_file():
+            root = params_dir                 # an Orbax v0 checkpoint: the tree at the top
+        try:
+            meta = json.loads((root / "_METADATA").read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{root / '_METADATA'}: unreadable Orbax tree metadata ({e})") from None
+        self.params_dir, self.root = params_dir, root
+        self._ts = ts
+        self._ocdbt = bool(meta.get("use_ocdbt"))
+        self._driver = "zarr3" if meta.get("use_zarr3") else "zarr"
+        # No fsync per write (each band is an OCDBT commit: a storm of them), `sync` once at the
+        # end; no lock files either, as Orbax for its data files: the output dir is ours alone
+        # until renamed. Reads map the files (a copy less than pread).
+        files = {"file_io_sync": False, "file_io_locking": {"mode": "non_atomic"}}
+        self._write_context = ts.Context(files)
+        self._read_context = ts.Context(dict(files, file_io_mode={"mode": "memmap"}))
+        self._opened: dict[str, object] = {}
+
+    def _spec(self, name: str) -> dict:
+        kvstore = ({"driver": "ocdbt", "base": {"driver": "file", "path": str(self.root)}, "path": name}
+                   if self._ocdbt else {"driver": "file", "path": str(self.root / name)})
+        return {"driver": self._driver, "kvstore": kvstore}
+
+    def array(self, name: str):
+        """The stored array of tensor `name`; a missing chunk reads as an error, never as zeros."""
+        if name not in self._opened:
+            spec = dict(self._spec(name), fill_missing_data_reads=False)
+            self._opened[name] = self._ts.open(spec, open=True, context=self._read_context).result()
+        return self._opened[name]
+
+    def create(self, name: str, shape: tuple[int, ...], chunk_rows: int):
+        """Replace the placeholder Orbax saved for `name` by an empty array of `shape` in chunks of
+        `chunk_rows` full rows, keeping Orbax's codecs; chunks equal to the fill value are stored
+        too (Orbax's own setting, which its loader relies on)."""
+        placeholder = self._ts.open(self._spec(name), open=True, context=self._write_context).result()
+        meta = placeholder.spec().to_json()["metadata"]
+        chunk = [max(1, d) for d in (chunk_rows, *shape[1:])][:len(shape)]
+        meta["shape"] = list(shape)
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = chunk
+        for codec in meta["codecs"]:
+            if codec["name"] == "sharding_indexed":    # Orbax's one shard per chunk
+                codec["configuration"]["chunk_shape"] = chunk
+        spec = dict(self._spec(name), metadata=meta, store_data_equal_to_fill_value=True)
+        return self._ts.open(spec, create=True, delete_existing=True, context=self._write_context).result()
+
+    def wrap(self, buf: np.ndarray):
+        """`buf` as an in-memory TensorStore (no copy) to read into."""
+        return self._ts.array(buf, copy=False)
+
+    def sync(self) -> None:
+        """fsync every file and directory of the checkpoint once."""
+        for dirpath, _, files in os.walk(self.params_dir):
+            for f in [*files, "."]:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+
 @dataclass
 class OrbaxDraft:
     """A validated Orbax-layout draft directory (metadata only; no tensor data read)."""
@@ -340,21 +475,33 @@ class OrbaxDraft:
     config_bytes: bytes
     header_bytes: bytes
     tensors: list[TensorEntry]    # safetensors file order
-    leaves: dict[str, object]     # name -> Orbax leaf metadata (the abstract leaf to load it with)
+    arrays: _OrbaxArrays
 
     @property
     def params_dir(self) -> Path:
         return self.path / PARAMS_DIR
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor by a partial load of just its leaf."""
-        ocp = _orbax()
+    def read(self, name: str, rows: Rows | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """One tensor, or its band `rows`, read from its stored array into a fresh array or into
+        `out` (of the band's shape and dtype; reused buffers spare the allocation)."""
         try:
-            with _orbax_context(partial_load=True):
-                tree = ocp.load(self.params_dir, _nest({name: self.leaves[name]}))
-        except Exception as e:  # Orbax/tensorstore raise many types; name what failed
+            arr = self.arrays.array(name)
+            src = arr if rows is None else arr[rows[0]:rows[1]]
+            if out is None:
+                return src.read().result()
+            self.arrays.wrap(out).write(src).result()
+            return out
+        except Exception as e:  # tensorstore raises several types; name what failed
             raise CheckpointError(f"{self.params_dir}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from e
-        return np.asarray(_flatten(tree)[name])
+
+    def bands(self, t: TensorEntry) -> list[Rows] | None:
+        """`t`'s row bands, whole stored chunks each (None: read it whole)."""
+        try:
+            unit = self.arrays.array(t.name).chunk_layout.read_chunk.shape[0] if t.shape else 1
+        except Exception as e:
+            raise CheckpointError(f"{self.params_dir}: cannot open tensor {t.name!r} "
+                                  f"({type(e).__name__}: {e})") from e
+        return _row_bands(t.shape, DTYPES[t.dtype].itemsize, unit)
 
 
 def _parse_header(header_bytes: bytes, where: str) -> list[TensorEntry]:
@@ -421,7 +568,7 @@ def open_orbax_draft(path: str | Path) -> OrbaxDraft:
     if problems:
         raise CheckpointError(f"{path}: the Orbax params do not match the draft layout "
                               f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:_MAX_LISTED]))
-    return OrbaxDraft(path, cfg, raw, header_bytes, tensors, leaves)
+    return OrbaxDraft(path, cfg, raw, header_bytes, tensors, _OrbaxArrays(params_dir))
 
 
 def is_torch_draft_dir(path: Path) -> bool:
@@ -457,25 +604,9 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     ua = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     ub = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-    return all(np.array_equal(ua[i:i + _COMPARE_BYTES], ub[i:i + _COMPARE_BYTES])
-               for i in range(0, ua.size, _COMPARE_BYTES))
-
-
-def _as_buffer(arr: np.ndarray) -> memoryview:
-    """The raw bytes of an array without a copy (ndarray.tobytes would copy the tensor)."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-
-
-def _groups(tensors: Sequence[TensorEntry]) -> Iterator[list[TensorEntry]]:
-    group, size = [], 0
-    for t in tensors:
-        if group and size + t.nbytes > _GROUP_BYTES:
-            yield group
-            group, size = [], 0
-        group.append(t)
-        size += t.nbytes
-    if group:
-        yield group
+    # in slices: a tensor stored as one chunk arrives whole, its comparison needs no full-size temporary
+    return all(np.array_equal(ua[i:i + _CHUNK_BYTES], ub[i:i + _CHUNK_BYTES])
+               for i in range(0, ua.size, _CHUNK_BYTES))
 
 
 def _prefetched(keys: Sequence, load: Callable) -> Iterator[tuple[object, object]]:
@@ -491,10 +622,60 @@ def _prefetched(keys: Sequence, load: Callable) -> Iterator[tuple[object, object
             del value
 
 
-def _compare_all(what: str, tensors: Sequence[TensorEntry], read_a, read_b) -> None:
+def _read_piece(src: TorchDraft | OrbaxDraft, name: str, rows: Rows | None) -> np.ndarray:
+    # a tensor that fits one band is read by its name alone
+    return src.read(name) if rows is None else src.read(name, rows)
+
+
+def _compare_all(what: str, tensors: Sequence[TensorEntry], a, b, orbax: OrbaxDraft) -> None:
+    """Every tensor of `a` and `b` byte for byte, band by band (the Orbax side's bands)."""
     for t in tensors:
-        if not _same_bytes(read_a(t.name), read_b(t.name)):
+        if not all(_same_bytes(_read_piece(a, t.name, rows), _read_piece(b, t.name, rows))
+                   for rows in orbax.bands(t) or [None]):
             raise CheckpointError(f"--check: tensor {t.name!r} differs after conversion ({what})")
+
+
+def _write_orbax_arrays(src: TorchDraft, arrays: _OrbaxArrays, progress: Progress | None) -> None:
+    """Every tensor of `src` into its (placeholder) Orbax array, band by band: the next band is
+    read while up to `_IN_FLIGHT` earlier ones are being written."""
+    plan = []                                 # (tensor, stored chunk rows, its bands)
+    for t in src.tensors:
+        chunk_rows = _chunk_rows(t.shape, DTYPES[t.dtype].itemsize)
+        plan.append((t, chunk_rows, _row_bands(t.shape, DTYPES[t.dtype].itemsize, chunk_rows) or [None]))
+    # a buffer is refilled only once the write reading it is done (`settle` keeps `_IN_FLIGHT`),
+    # so tensorstore may write straight from it instead of copying it first
+    ring = _Ring([(t, rows) for t, _, bands in plan for rows in bands], _IN_FLIGHT + 1)
+    pending: deque = deque()                  # (tensor name, write future), oldest first
+
+    def settle(keep: int) -> None:
+        while len(pending) > keep:
+            name, write = pending.popleft()
+            try:
+                write.result()
+            except Exception as e:
+                raise CheckpointError(f"{arrays.root}: cannot write tensor {name!r} "
+                                      f"({type(e).__name__}: {e})") from e
+
+    try:
+        for t, chunk_rows, bands in plan:
+            try:
+                store = arrays.create(t.name, t.shape, chunk_rows)
+            except Exception as e:
+                raise CheckpointError(f"{arrays.root}: cannot create tensor {t.name!r} "
+                                      f"({type(e).__name__}: {e})") from e
+            for rows in bands:
+                data = src.read(t.name, rows, out=ring.take(t, rows))
+                dst = store if rows is None else store[rows[0]:rows[1]]
+                pending.append((t.name, dst.write(data, can_reference_source_data_indefinitely=True)))
+                del data
+                settle(_IN_FLIGHT)
+            if progress is not None:
+                progress(f"saved {t.name}")
+        settle(0)
+    finally:
+        # on failure, writes still running would otherwise land in the staging dir being removed
+        for _, write in pending:
+            write.exception()
 
 
 def torch_to_orbax(src: str | Path, dst: str | Path, *, check: bool = False,
@@ -509,20 +690,19 @@ def torch_to_orbax(src: str | Path, dst: str | Path, *, check: bool = False,
         layout = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "file": SAFETENSORS_FILE,
                   "header": header.decode("utf-8")}
         (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1) + "\n")
-        read_group = lambda group: {t.name: src_draft.read(t.name) for t in group}
+        # Orbax writes the tree: its metadata and a one-element placeholder of each leaf's dtype
+        # and rank, which `_write_orbax_arrays` then replaces by the real array
+        placeholders = {t.name: np.zeros((1,) * len(t.shape), DTYPES[t.dtype]) for t in src_draft.tensors}
         with _orbax_context():
-            for group, arrays in _prefetched(list(_groups(src_draft.tensors)), read_group):
-                ocp.partial.save(tmp / PARAMS_DIR, _nest(arrays))
-                del arrays
-                if progress is not None:
-                    progress(f"saved {', '.join(t.name for t in group)}")
-            ocp.partial.finalize(tmp / PARAMS_DIR)
+            ocp.save(tmp / PARAMS_DIR, _nest(placeholders))
+        arrays = _OrbaxArrays(tmp / PARAMS_DIR)
+        _write_orbax_arrays(src_draft, arrays, progress)
+        arrays.sync()
         out = open_orbax_draft(tmp)
         if out.header_bytes != header or out.config_bytes != src_draft.config_bytes:
             raise CheckpointError(f"{tmp}: header or config.json changed on the way (bug)")
         if check:
-            _compare_all(f"{src_draft.file.path} vs {tmp / PARAMS_DIR}", src_draft.tensors,
-                         src_draft.read, out.read)
+            _compare_all(f"{src_draft.file.path} vs {tmp / PARAMS_DIR}", src_draft.tensors, src_draft, out, out)
     return open_orbax_draft(dst)
 
 
@@ -531,12 +711,21 @@ def orbax_to_torch(src: str | Path, dst: str | Path, *, check: bool = False,
     """Convert an Orbax-layout draft dir back to config.json + model.safetensors."""
     src_draft = open_orbax_draft(src)
     dst = Path(dst)
+    pieces = [(t, rows) for t in src_draft.tensors for rows in src_draft.bands(t) or [None]]
+    # bands go through three buffers (one being written out, one being read, one spare); a
+    # tensor that fits one band is read whole into a fresh array
+    ring = _Ring([(t, rows) for t, rows in pieces if rows is not None], 3)
+
+    def load(i: int) -> np.ndarray:
+        t, rows = pieces[i]
+        return src_draft.read(t.name) if rows is None else src_draft.read(t.name, rows, out=ring.take(t, rows))
 
     def chunks():
-        for t, arr in _prefetched(src_draft.tensors, lambda t: src_draft.read(t.name)):
-            yield t.name, _as_buffer(arr)
+        for i, arr in _prefetched(range(len(pieces)), load):
+            t, rows = pieces[i]
+            yield t.name, arr
             del arr
-            if progress is not None:
+            if progress is not None and (rows is None or rows[1] == t.shape[0]):
                 progress(f"wrote {t.name}")
 
     with _staging(dst) as tmp:
@@ -548,7 +737,7 @@ def orbax_to_torch(src: str | Path, dst: str | Path, *, check: bool = False,
             raise CheckpointError(f"{tmp / SAFETENSORS_FILE}: header changed on the way (bug)")
         if check:
             _compare_all(f"{src_draft.params_dir} vs {tmp / SAFETENSORS_FILE}", src_draft.tensors,
-                         src_draft.read, out.read)
+                         src_draft, out, src_draft)
     return open_torch_draft(dst)
 
 
@@ -586,7 +775,7 @@ def load_draft(path: str | Path, *, dtype=None, mesh: Mesh | None = None) -> K3D
         src = open_orbax_draft(path)
     else:
         raise CheckpointError(f"{path}: neither a torch nor an Orbax draft directory")
-    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.devices()[:1])
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
     graphdef, state = nnx.split(abstract_draft(src.cfg, dtype))
     flat = []
     for key_path, var in nnx.to_flat_state(state):

@@ -189,24 +189,44 @@ def header_for(items: Iterable[tuple[str, str, tuple[int, ...]]],
 
 
 def write_streaming(path: str | Path, items: list[tuple[str, str, tuple[int, ...]]],
-                    chunks: Iterator[tuple[str, bytes | np.ndarray]],
+                    chunks: Iterator[tuple[str, bytes | memoryview | np.ndarray]],
                     metadata: Mapping[str, str] | None = None,
                     header_bytes: bytes | None = None) -> None:
-    """Write a safetensors file tensor by tensor. `items` fixes the header (names, dtypes, shapes,
-    order); `chunks` yields `(name, data)` in the same order. `header_bytes` reproduces a source
-    header verbatim when converting back (byte-identical round trips)."""
+    """Write a safetensors file piece by piece. `items` fixes the header (names, dtypes, shapes,
+    order); `chunks` yields `(name, data)` in the same order, each tensor's bytes whole or in
+    consecutive pieces (e.g. row bands), so no tensor needs to be in memory at once; the file is
+    fsynced once at the end. `header_bytes` reproduces a source header verbatim when converting
+    back (byte-identical round trips)."""
     raw = header_bytes if header_bytes is not None else header_for(items, metadata)[0]
+    sizes = [(name, int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize) for name, dtype, shape in items]
+    todo = iter(sizes)
+    name, left, total = None, 0, 0          # the tensor being written and its bytes still due
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for (name, dtype, shape), (got, data) in zip(items, chunks, strict=True):
-            if got != name:
-                raise CheckpointError(f"{path}: expected tensor {name!r} next, got {got!r}")
-            buf = data.tobytes() if isinstance(data, np.ndarray) else data
-            n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-            if len(buf) != n:
-                raise CheckpointError(f"{path}: tensor {name!r} has {len(buf)} bytes, expected {n}")
+        for got, data in chunks:
+            if left == 0 or got != name:    # the next tensor starts
+                if left:
+                    raise CheckpointError(f"{path}: tensor {name!r} has {total - left} bytes, expected {total}")
+                name, total = next(todo, (None, 0))
+                if name is None:
+                    raise CheckpointError(f"{path}: data for tensor {got!r} after the last tensor of the header")
+                if got != name:
+                    raise CheckpointError(f"{path}: expected tensor {name!r} next, got {got!r}")
+                left = total
+            # the array's own memory, not a copy (ndarray.tobytes would copy it)
+            buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) \
+                if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+            if len(buf) > left:
+                raise CheckpointError(f"{path}: tensor {name!r} has {total - left + len(buf)} bytes, "
+                                      f"expected {total}")
             f.write(buf)
+            left -= len(buf)
+        if left:
+            raise CheckpointError(f"{path}: tensor {name!r} has {total - left} bytes, expected {total}")
+        rest = [n for n, _ in todo]
+        if rest:
+            raise CheckpointError(f"{path}: no data for tensor(s) {rest[:5]}")
         f.flush()
         os.fsync(f.fileno())
 

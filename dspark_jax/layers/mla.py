@@ -177,7 +177,7 @@ class MLAttention(nnx.Module):
         attend_fn = mla_attend_absorbed if absorbed else mla_attend_expanded
         o_BTNV = attend_fn(q_nope_BTNH, q_rope_BTNR, kv_BSL.astype(q_nope_BTNH.dtype), mask_BTS,
                            w_uk_NHC, w_uv_NVC, self.softmax_scale)
-        return self._output(x_BTD, o_BTNV)
+        return self.output(x_BTD, o_BTNV)
 
     def attend_paged(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray, pool, row: int, *,
                      causal: bool) -> jnp.ndarray:
@@ -194,9 +194,10 @@ class MLAttention(nnx.Module):
         ctx_BTNC = dispatch.mla_paged_attention(q_lat_BTNC, q_rope_BTNR, pool.pages, pool.block_table,
                                                 positions_BT, self.softmax_scale, causal=causal, row=row)
         o_BTNV = jnp.einsum("btnc,nvc->btnv", ctx_BTNC.astype(w_uv_NVC.dtype), w_uv_NVC)
-        return self._output(x_BTD, o_BTNV)
+        return self.output(x_BTD, o_BTNV)
 
-    def _output(self, x_BTD: jnp.ndarray, o_BTNV: jnp.ndarray) -> jnp.ndarray:
+    def output(self, x_BTD: jnp.ndarray, o_BTNV: jnp.ndarray) -> jnp.ndarray:
+        """Per-head attention outputs -> the layer output (output gate, then o_proj)."""
         o_BTX = o_BTNV.reshape(*o_BTNV.shape[:-2], self.num_heads * self.v_head_dim)
         if self.use_output_gate:
             # sigmoid in the param dtype (bf16 in the reference, spec A.5.4), gate from the layer input

@@ -5,16 +5,15 @@ RoPE on q and k, grouped-query attention and a SwiGLU MLP; tied or untied lm_hea
 the HF tensor names (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`).
 
 The layer body takes the attention as a callable (`AttentionFn`), so the cacheless `forward`
-(tests, parity, the teacher), `forward_cached` (one step over the dense per-layer KV buffer
-`LlamaKVCache`) and `steps.py`'s paged-pool step run the same residual/MLP code. All attention
-math is in `gqa_attention`; a cache only decides where keys/values are written and read.
+(tests, parity, the teacher) and `steps.py`'s paged-pool step run the same residual/MLP code. All
+attention math is in `gqa_attention`; the cache only decides where keys/values are written and read.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,21 +47,8 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     return out_BTKGH.reshape(b, t, n, h)
 
 
-class LlamaKVCache(NamedTuple):
-    """Dense KV buffer: slot s of row b holds the key/value of that row's token at position s.
-    `lengths[b]` = 1 + the highest position written for row b (0 for an empty row)."""
-    k: jax.Array            # [L, B, max_len, kv_heads, head_dim]
-    v: jax.Array            # [L, B, max_len, kv_heads, head_dim]
-    lengths: jax.Array      # [B] int32
-
-    @classmethod
-    def create(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "LlamaKVCache":
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-
 # attention(layer_idx, attn_module, normed_x_BTD) -> attention output [B,T,D]: how a layer's
-# attention gets its keys/values (this call's tokens, the dense cache, steps.py's paged pool)
+# attention gets its keys/values (this call's tokens, or steps.py's paged pool)
 AttentionFn = Callable[[int, "LlamaAttention", jax.Array], jax.Array]
 
 
@@ -182,29 +168,6 @@ class LlamaModel(nnx.Module):
         return self.run(token_ids_BS, attention, aux_layer_ids)
 
     __call__ = forward
-
-    def forward_cached(self, token_ids_BT: jax.Array, positions_BT: jax.Array, cache: LlamaKVCache,
-                       aux_layer_ids: Sequence[int] = ()) -> tuple[ForwardOutput, LlamaKVCache]:
-        """One step (prefill, decode or verify) on the dense cache: each token's K/V is written at
-        slot `positions_BT[b, t]` of its row and the token attends to every slot <= its position.
-        Rows may be ragged; a negative position marks a padded query (not written, output
-        garbage). Positions must stay below the buffer length (out-of-range writes are dropped)."""
-        b, max_len = cache.k.shape[1], cache.k.shape[2]
-        mask_BTM = (jnp.arange(max_len)[None, None, :] <= positions_BT[:, :, None]) & (positions_BT >= 0)[:, :, None]
-        slots_BT = jnp.where(positions_BT >= 0, positions_BT, max_len)   # out of range: dropped
-        rows_B1 = jnp.arange(b)[:, None]
-        k_LBMKH, v_LBMKH = cache.k, cache.v
-
-        def attention(layer_idx: int, attn: LlamaAttention, x_BTD: jax.Array) -> jax.Array:
-            nonlocal k_LBMKH, v_LBMKH
-            q_BTNH, k_BTKH, v_BTKH = attn.project(x_BTD, positions_BT)
-            k_LBMKH = k_LBMKH.at[layer_idx, rows_B1, slots_BT].set(k_BTKH.astype(k_LBMKH.dtype), mode="drop")
-            v_LBMKH = v_LBMKH.at[layer_idx, rows_B1, slots_BT].set(v_BTKH.astype(v_LBMKH.dtype), mode="drop")
-            return attn.attend(q_BTNH, k_LBMKH[layer_idx], v_LBMKH[layer_idx], mask_BTM)
-
-        out = self.run(token_ids_BT, attention, aux_layer_ids)
-        lengths_B = jnp.maximum(cache.lengths, jnp.max(positions_BT + 1, axis=1).astype(jnp.int32))
-        return out, LlamaKVCache(k_LBMKH, v_LBMKH, lengths_B)
 
 
 def _dtype_from_config(name: str):

@@ -66,17 +66,18 @@ class BenchResult:
 class Runner:
     """Greedy, concurrency-1 generation of benchmark conversations for one (target, draft).
 
-    One-slot batchers are kept per cache capacity (powers of two from 256 up to `max_model_len`):
-    a step reads its slot's whole capacity, so a short conversation should not pay for the
-    longest one."""
+    One-slot batchers are kept per cache capacity (powers of two from 256 up to `max_model_len`),
+    so a short conversation does not hold a cache sized for the longest one. `max_turns` cuts
+    multi-turn items (MT-Bench first turns: 1)."""
 
     def __init__(self, target, draft, tokenizer, *, num_speculative_tokens: int, max_new_tokens: int,
-                 max_model_len: int, kv_cache_dtype: str = "auto", block_size: int = 16):
+                 max_model_len: int, kv_cache_dtype: str = "auto", block_size: int = 16,
+                 max_turns: int | None = None):
         t = num_speculative_tokens if draft is not None else 0
         self.engine = Engine(target, draft if t else None, t, kv_cache_dtype=kv_cache_dtype, page_size=block_size)
         self.max_model_len = max_model_len
         self._batchers: dict[int, Batcher] = {}
-        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        self.tokenizer, self.max_new_tokens, self.max_turns = tokenizer, max_new_tokens, max_turns
         self.eos = frozenset(eos_ids(target, tokenizer))
 
     def _batcher(self, prompt_len: int) -> Batcher:
@@ -92,7 +93,7 @@ class Runner:
     def run_item(self, item: BenchItem, stats: SpecStats) -> dict:
         """All turns of one item in one conversation; returns its per-item record."""
         answers, record = [], {"id": item.id, "turns": []}
-        for _ in item.turns:
+        for _ in item.turns[:self.max_turns]:
             ids = encode_prompt(item.conversation(answers), self.tokenizer, True, item.id)
             req = Request(ids, self.max_new_tokens, eos_ids=self.eos)
             try:

@@ -145,7 +145,7 @@ def multi_anchor_hidden(draft, block_embeds_BATD: jax.Array, block_positions_BAT
         o_BATNV = dispatch.block_sparse_attention(per_block(q_nope_XTNH), per_block(q_rope_XTNR), kv_ctx_LBSW[l],
                                                   per_block(kv_blk_XTL), w_uk_NHC, w_uv_NVC, ctx_len_BA,
                                                   attn.softmax_scale)
-        return attn._output(x_XTD, o_BATNV.reshape(b * a, *o_BATNV.shape[2:]))
+        return attn.output(x_XTD, o_BATNV.reshape(b * a, *o_BATNV.shape[2:]))
 
     h_XTD = draft.block_hidden_with(block_embeds_BATD.reshape(b * a, t, d), attend)
     return h_XTD.reshape(b, a, t, d)

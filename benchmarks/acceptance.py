@@ -1,0 +1,82 @@
+"""Acceptance (tok/fwd) of one or more drafts on held-out prompts, side by side (issue 6 goal).
+
+    python -m benchmarks.acceptance --drafts smollm2-135m-dspark,untrained
+    python -m benchmarks.acceptance --drafts runs/demo/smollm2-135m-dspark,runs/demo/smollm2-135m-dflash-ablation \
+        --gsm8k 60 --mt_bench 20 --output_json runs/demo/acceptance.json
+
+T=0, chat template on, MT-Bench first turns only. Prompts run in batches through `generate()`:
+greedy speculative output equals the target's own greedy output token for token, so tok/fwd
+does not depend on the batch size (the server's concurrency-1 figure is the same number; the
+`serve.bench` card table measures it that way). `untrained` is a random draft of the demo config.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target directory or preset.")
+_DRAFTS = flags.DEFINE_list("drafts", ["smollm2-135m-dspark", "untrained"],
+                            "Drafts: directories, presets, or `untrained[:CONFIG.json]`.")
+_GSM8K = flags.DEFINE_integer("gsm8k", 60, "GSM8K test prompts (the first N).", lower_bound=0)
+_MT = flags.DEFINE_integer("mt_bench", 20, "MT-Bench first turns (the first N questions).", lower_bound=0)
+_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt.", lower_bound=1)
+_T = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Prompts per generate() call.", lower_bound=1)
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
+_JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
+
+
+def main(argv):
+    del argv
+    import jax.numpy as jnp
+
+    from dspark_jax import generate, load_target
+    from dspark_jax.data.benchmarks import load_gsm8k, load_mt_bench
+    from dspark_jax.serving.models import load_draft_spec
+
+    target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
+    sets = {}
+    if _GSM8K.value:
+        sets["gsm8k"] = [it.conversation() for it in load_gsm8k(limit=_GSM8K.value)]
+    if _MT.value:
+        sets["mt_bench_turn1"] = [it.conversation() for it in load_mt_bench(limit=_MT.value)]
+    results = []
+    for spec in _DRAFTS.value:
+        draft = load_draft_spec(spec, target)
+        row = {"draft": spec}
+        for name, prompts in sets.items():
+            steps_n = accepted = drafted = produced = 0
+            at_pos = [0.0] * _T.value           # drafts accepted at position k, summed over calls
+            t0 = time.time()
+            for i in range(0, len(prompts), _BATCH.value):
+                st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
+                              num_speculative_tokens=_T.value)
+                produced += sum(len(o.token_ids) for o in st.outputs)
+                st = st.stats
+                steps_n += st["num_verify_steps"]
+                accepted += st["total_accepted_tokens"]
+                drafted += st["total_draft_tokens"]
+                at_pos = [a + p * st["num_verify_steps"] for a, p in zip(at_pos, st["per_position_acceptance"])]
+                print(f"  {spec} {name}: {min(i + _BATCH.value, len(prompts))}/{len(prompts)} prompts, "
+                      f"tok/fwd so far {1 + accepted / steps_n:.3f}", flush=True)
+            row[name] = {"prompts": len(prompts), "generated_tokens": produced, "wall_s": time.time() - t0,
+                         "num_verify_steps": steps_n, "tok_per_fwd": 1 + accepted / steps_n,
+                         "acceptance_rate": accepted / drafted,
+                         "per_position_acceptance": [a / steps_n for a in at_pos]}
+        results.append(row)
+    names = list(sets)
+    print("\n| draft | " + " | ".join(f"{n} tok/fwd" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in results:
+        print(f"| {row['draft']} | " + " | ".join(f"{row[n]['tok_per_fwd']:.2f}" for n in names) + " |")
+    if _JSON.value:
+        Path(_JSON.value).write_text(json.dumps({"model": _MODEL.value, "max_new_tokens": _NEW.value,
+                                                 "num_speculative_tokens": _T.value, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
