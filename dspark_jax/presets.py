@@ -91,17 +91,26 @@ def smollm2_135m() -> Path:
     return _cached("smollm2-135m", _build_smollm2)
 
 
-def _not_yet_available(name: str) -> Callable[[], Path]:
+# drafts shipped inside the package (torch layout: config.json + model.safetensors)
+EMBEDDED_DRAFTS = Path(__file__).resolve().parent / "drafts"
+
+
+def _embedded(name: str) -> Callable[[], Path]:
     def resolve() -> Path:
-        raise NotImplementedError(f"preset {name!r} is not available yet in this version of dspark_jax")
+        path = EMBEDDED_DRAFTS / name
+        missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"preset {name!r}: {', '.join(missing)} missing under {path} "
+                                    "(was the package installed without its data files?)")
+        return path
     return resolve
 
 
-# Preset name -> resolver returning the model directory. `smollm2-135m-dspark` (the in-repo
-# draft distilled for SmolLM2) replaces its placeholder here once it is committed.
+# Preset name -> resolver returning the model directory.
 PRESETS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": smollm2_135m,
-    "smollm2-135m-dspark": _not_yet_available("smollm2-135m-dspark"),
+    # the demo draft, distilled from SmolLM2 on CPU by scripts/demo_draft.sh (see its README)
+    "smollm2-135m-dspark": _embedded("smollm2-135m-dspark"),
 }
 
 

@@ -66,14 +66,12 @@ def main(argv) -> None:
         names = list(bench.DEFAULT_BENCHMARKS if FLAGS.aime_file else bench.DEFAULT_BENCHMARKS[:3])
         if not FLAGS.aime_file:
             log.warning("AIME 2026 skipped: no --aime_file given (no registry ships AIME)")
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, missing_draft="untrained")
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
     if pair.draft is None:
         raise app.UsageError("the benchmark measures a draft: --draft_model none is not meaningful here")
     for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
                          kv_cache_dtype=FLAGS.kv_cache_dtype):
         log.info(line)
-    for note in pair.notes:
-        log.warning(note)
     items = bench.load_items(names, FLAGS.limit, FLAGS.aime_file)
     for n in names:
         official = OFFICIAL_COUNTS[n]
@@ -102,7 +100,7 @@ def main(argv) -> None:
     sys.stdout.flush()
     settings = {"model": pair.target_name, "draft_model": pair.draft_name, "reference_draft": FLAGS.reference_draft,
                 "benchmarks": names, "limit": FLAGS.limit, "temperature": 0.0, "concurrency": 1,
-                "chat_template": True, "notes": pair.notes, **kw}
+                "chat_template": True, **kw}
     png = FLAGS.output_png
     if FLAGS.output_json:
         path = bench.write_json(FLAGS.output_json, settings, results, reference)

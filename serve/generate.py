@@ -48,12 +48,10 @@ def main(argv) -> None:
         raise app.UsageError(str(e)) from None
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, missing_draft="plain")
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
     for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
                          kv_cache_dtype=FLAGS.kv_cache_dtype):
         log.info(line)
-    for note in pair.notes:
-        log.warning(note)
     res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,
                    temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                    num_speculative_tokens=FLAGS.num_speculative_tokens if pair.draft is not None else 0,

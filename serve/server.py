@@ -71,8 +71,6 @@ def main(argv) -> None:
                          store_dtype=engine.store_dtype, block_size=FLAGS.block_size,
                          max_num_seqs=FLAGS.max_num_seqs, max_model_len=max_model_len):
         log.info(line)
-    for note in pair.notes:
-        log.warning(note)
     batcher = Batcher(engine, FLAGS.max_num_seqs, max_model_len, seed=FLAGS.seed)
     if FLAGS.warmup:
         log.info("warming up (compiling prefill and the decode step) ...")

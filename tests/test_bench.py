@@ -106,7 +106,7 @@ def test_bench_default_models(smollm2_dir, tmp_path):
                 env={"DSPARK_CACHE": str(Path(smollm2_dir).parent)})
     doc = json.loads(out.read_text())
     assert doc["settings"]["model"] == "smollm2-135m"
-    assert doc["settings"]["draft_model"] in ("smollm2-135m-dspark", "untrained")
+    assert doc["settings"]["draft_model"] == "smollm2-135m-dspark"
     if doc["settings"]["draft_model"] == "untrained":
         assert "UNTRAINED" in proc.stderr
     assert doc["results"]["gsm8k"]["prompts"] == 1

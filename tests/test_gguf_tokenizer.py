@@ -219,11 +219,14 @@ def test_smollm2_preset_resolves_without_reconverting(smollm2_dir: Path, monkeyp
     assert presets.resolve_model_path(smollm2_dir) == smollm2_dir
 
 
-def test_unknown_and_unavailable_presets(tmp_path: Path) -> None:
+def test_unknown_and_embedded_presets(tmp_path: Path, monkeypatch) -> None:
     assert presets.resolve_model_path(str(tmp_path)) == tmp_path
     with pytest.raises(FileNotFoundError, match="neither a directory nor a preset"):
         presets.resolve_model_path("no-such-model")
-    with pytest.raises(NotImplementedError, match="smollm2-135m-dspark"):
+    draft = presets.resolve_model_path("smollm2-135m-dspark")
+    assert (draft / "config.json").is_file() and (draft / "model.safetensors").is_file()
+    monkeypatch.setattr(presets, "EMBEDDED_DRAFTS", tmp_path)     # package data missing
+    with pytest.raises(FileNotFoundError, match="smollm2-135m-dspark.*config.json, model.safetensors missing"):
         presets.resolve_model_path("smollm2-135m-dspark")
 
 

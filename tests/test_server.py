@@ -340,16 +340,10 @@ def test_generate_cli_prints_text_and_stats(pair_dirs, models):
     assert "aux capture layer ids [0, 2]" in proc.stderr
 
 
-def test_default_pair_falls_back_while_demo_draft_is_missing(smollm2_dir, monkeypatch):
-    """Without model flags the entry points take the demo pair; until the demo draft preset
-    ships, `serve.generate`/`serve.server` fall back to plain decoding and say so."""
-    from dspark_jax import presets
+def test_default_pair_is_the_demo_pair(smollm2_dir, monkeypatch):
+    """Without model flags the entry points take the demo pair: SmolLM2 + the embedded draft."""
     monkeypatch.setenv("DSPARK_CACHE", str(Path(smollm2_dir).parent))
     pair = load_pair()
     assert pair.target_name == "smollm2-135m" and pair.tokenizer is not None
-    try:
-        presets.resolve_model_path("smollm2-135m-dspark")
-    except NotImplementedError:
-        assert pair.draft is None and "plain decoding" in pair.notes[0]
-    else:
-        assert pair.draft is not None and not pair.notes
+    assert pair.draft_name == "smollm2-135m-dspark" and pair.draft is not None
+    assert list(pair.draft.cfg.target_layer_ids) == [1, 8, 15, 22, 29]

@@ -7,15 +7,13 @@ start-up description they log.
 - `untrained` or `untrained:CONFIG.json`: a randomly initialised draft of that config (default:
   the demo draft's config). Useful as a pipeline check and as the `--reference_draft` floor of the
   benchmark; its acceptance means nothing.
-While the demo draft is not shipped, an omitted `--draft_model` falls back to `missing_draft`
-("plain" or "untrained") with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -40,7 +38,6 @@ class ModelPair:
     target_name: str
     draft_name: str | None                 # None: plain decoding
     mesh: jax.sharding.Mesh | None = None
-    notes: list[str] = field(default_factory=list)   # fallbacks taken: entry points log them as warnings
 
 
 def make_mesh(tp: int) -> jax.sharding.Mesh | None:
@@ -83,36 +80,21 @@ def load_draft_spec(spec: str, target, mesh=None):
     return load_draft(spec, dtype=target.dtype, mesh=mesh)
 
 
-def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1,
-              missing_draft: str = "plain") -> ModelPair:
+def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1) -> ModelPair:
     """Target + draft for an entry point (see the module docstring for the names)."""
     mesh = make_mesh(tp)
     target_name = model or DEFAULT_TARGET
     target = load_target(target_name, mesh=mesh)
-    notes: list[str] = []
     draft_name = draft_model or DEFAULT_DRAFT
-    try:
-        draft = load_draft_spec(draft_name, target, mesh)
-    except NotImplementedError as e:
-        if draft_model is not None:
-            raise
-        if missing_draft == "untrained":
-            draft, draft_name = untrained_draft(target, mesh=mesh), UNTRAINED
-            notes.append(f"{e}; using an UNTRAINED draft with the demo config ({DEMO_DRAFT_CONFIG.name}): "
-                         "acceptance statistics are meaningless until the demo draft ships")
-        else:
-            draft, draft_name = None, None
-            notes.append(f"{e}; falling back to plain decoding (no draft)")
-    if draft is None:
-        draft_name = None
-    return ModelPair(target, draft, tokenizer_for(target), str(target_name), draft_name, mesh, notes)
+    draft = load_draft_spec(draft_name, target, mesh)
+    return ModelPair(target, draft, tokenizer_for(target), str(target_name),
+                     None if draft is None else draft_name, mesh)
 
 
 def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: str, store_dtype=None,
              block_size: int | None = None, max_num_seqs: int | None = None,
              max_model_len: int | None = None) -> list[str]:
-    """What the entry point detected, one line per component (logged at start-up; the fallback
-    notes of `pair.notes` are logged separately, as warnings)."""
+    """What the entry point detected, one line per component (logged at start-up)."""
     cfg = pair.target.cfg
     lines = []
     fam = f"family={cfg.family}"
