@@ -20,7 +20,7 @@ import os
 from typing import Mapping
 
 import jax
-from absl import flags
+from absl import app, flags
 from jax.sharding import Mesh
 
 from dspark_jax import sharding as sharding_lib
@@ -98,6 +98,14 @@ def initialize_from_flags_or_env(coordinator_address: str | None = None, num_pro
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(settings.coordinator_address, settings.num_processes, settings.process_id)
     return settings
+
+
+def initialize_program() -> DistributedSettings:
+    """`initialize_from_flags_or_env` for an absl program: bad settings are a usage error."""
+    try:
+        return initialize_from_flags_or_env()
+    except DistributedError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def global_mesh(tensor: int | None = None, fsdp: int = 1, data: int | None = None) -> Mesh:

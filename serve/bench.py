@@ -50,10 +50,7 @@ def main(argv) -> None:
     from dspark_jax.serving import bench
     from dspark_jax.serving.models import describe, load_draft_spec, load_pair
 
-    try:   # multi-host: every process runs this same program on one global mesh (--tp = all devices)
-        distributed.initialize_from_flags_or_env()
-    except distributed.DistributedError as e:
-        raise app.UsageError(str(e)) from None
+    distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs, prints and writes the results
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     progress = FLAGS.progress and primary

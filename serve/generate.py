@@ -42,10 +42,7 @@ def main(argv) -> None:
     from dspark_jax.serving.models import describe, load_pair
     from dspark_jax.serving.worker import format_mtp_stats
 
-    try:   # multi-host: every process runs this same program on one global mesh (--tp = all devices)
-        distributed.initialize_from_flags_or_env()
-    except distributed.DistributedError as e:
-        raise app.UsageError(str(e)) from None
+    distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)

@@ -78,10 +78,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     if (FLAGS.data is None) == (FLAGS.teacher_dir is None):
         raise app.UsageError("give exactly one of --data (online teacher) and --teacher_dir (offline)")
-    try:   # before any device is touched; a no-op for one process
-        settings = distributed.initialize_from_flags_or_env()
-    except distributed.DistributedError as e:
-        raise app.UsageError(str(e)) from None
+    settings = distributed.initialize_program()
     primary = distributed.is_primary()
     t0 = time.time()
 

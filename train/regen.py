@@ -51,10 +51,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
-    try:   # before any device is touched; a no-op for one process
-        dist = distributed.initialize_from_flags_or_env()
-    except distributed.DistributedError as e:
-        raise app.UsageError(str(e)) from None
+    dist = distributed.initialize_program()
     num_shards, shard_index, out = FLAGS.num_shards, FLAGS.shard_index, FLAGS.out
     if dist.multi_process:
         if num_shards != 1 or shard_index != 0:
