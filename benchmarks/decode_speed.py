@@ -4,7 +4,8 @@
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
 
 Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/fwd, and the draft's
-share of a speculative step (the draft's block pass vs the verify that follows it). With
+share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
+tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it). With
 `--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
 t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. CPU
 numbers are only meaningful as ratios; absolute times only from a GPU.
@@ -19,8 +20,8 @@ from pathlib import Path
 from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
-_DRAFT = flags.DEFINE_string("draft_model", None, "draft directory or preset; default: the demo draft "
-                             "preset if available, else a random draft built from its config")
+_DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark",
+                             "draft directory or preset, or 'untrained[:CONFIG.json]' for a random draft")
 _BATCHES = flags.DEFINE_string("batch_sizes", "1,8", "comma-separated batch sizes")
 _N = flags.DEFINE_integer("num_prompts", 16, "GSM8K test prompts per batch size")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
@@ -29,23 +30,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
                            "param dtype (XLA:CPU runs bf16 matmuls slower than f32)")
 _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
-
-
-def _draft(target):
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dspark_jax import load_draft
-    from dspark_jax.config import DraftConfig
-    from dspark_jax.models.dspark import K3DSparkModel
-    if _DRAFT.value:
-        return load_draft(_DRAFT.value, dtype=target.dtype), _DRAFT.value
-    try:
-        return load_draft("smollm2-135m-dspark", dtype=target.dtype), "smollm2-135m-dspark"
-    except (NotImplementedError, FileNotFoundError, ValueError):
-        cfg_path = Path(__file__).resolve().parent.parent / "dspark_jax" / "configs" / "smollm2-135m-dspark.json"
-        cfg = DraftConfig.from_json(cfg_path)
-        return K3DSparkModel(cfg, dtype=jnp.dtype(target.dtype), rngs=nnx.Rngs(0)), "random (untrained)"
 
 
 def _timed(fn):
@@ -61,17 +45,19 @@ def main(argv):
     from dspark_jax import generate, load_target
     from dspark_jax.data.benchmarks import load_gsm8k
     from dspark_jax.generate import _engine
+    from dspark_jax.serving.models import load_draft_spec
 
     target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
-    draft, draft_name = _draft(target)
+    draft, draft_name = load_draft_spec(_DRAFT.value, target), _DRAFT.value
     items = load_gsm8k(limit=_N.value)
     prompts = [it.conversation() for it in items]
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
         eng = _engine(target, draft, _T.value, 0.0, 1.0, "auto", 16)
-        share, cost = _step_costs(eng, b)
+        share, break_even, cost = _step_costs(eng, b)
         row["draft_share_of_step"] = share
+        row["break_even_tok_per_fwd"] = break_even
         variants = [("plain", None, False), ("speculative", draft, False)]
         if _SCHED.value:
             variants.append(("scheduled", draft, cost))
@@ -93,7 +79,8 @@ def main(argv):
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         line = (f"batch {b}: plain {row['plain_tokens_per_s']:.1f} tok/s | speculative "
                 f"{row['speculative_tokens_per_s']:.1f} tok/s | ratio {row['speedup']:.2f}x | "
-                f"tok/fwd {row['speculative_tok_per_fwd']:.2f} | draft share of a step {share:.1%}")
+                f"tok/fwd {row['speculative_tok_per_fwd']:.2f} | draft share of a step {share:.1%} | "
+                f"break-even tok/fwd {break_even:.2f}")
         if _SCHED.value:
             row["scheduled_speedup"] = row["scheduled_tokens_per_s"] / row["plain_tokens_per_s"]
             line += (f" | scheduled {row['scheduled_tokens_per_s']:.1f} tok/s ({row['scheduled_speedup']:.2f}x, "
@@ -113,28 +100,32 @@ def _merge(a, b):
     return out
 
 
-def _step_costs(eng, b: int, reps: int = 5):
-    """(the draft's share of a step, the fitted VerifyCost) from timed steps on a fresh cache:
-    the block pass alone, and verify steps with given drafts of width T and 0."""
+def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
+    """Timed steps on a fresh cache, `context` tokens deep, bounded like the batcher's (span):
+    the draft's block pass alone, a verify of T+1 tokens and a one-token step (both with given
+    drafts, so without the block pass). Returns (the draft's share of a speculative step, the
+    tok/fwd at which speculation breaks even with one-token steps, the fitted VerifyCost)."""
     import jax
     import jax.numpy as jnp
 
     from dspark_jax.schedule import VerifyCost
 
     t, max_len = eng.t, 512
+    span = max(64, 1 << (context + t).bit_length())
     caches = eng.new_caches(b, max_len)
-    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), 100, jnp.int32)
+    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), context, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
 
     def propose():
         nonlocal caches
-        *out, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key)
+        *out, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key, span=span)
         jax.block_until_ready(out)
 
     def verify(width):
         nonlocal caches
         given = jnp.ones((b, width), jnp.int32)
-        *out, caches = eng._step(eng.t_state, eng.d_state, x0, given, lens, active, jnp.int32(max_len), caches, key)
+        *out, caches = eng._step(eng.t_state, eng.d_state, x0, given, lens, active, jnp.int32(max_len), caches,
+                                 key, span=span)
         jax.block_until_ready(out)
 
     def timed(fn):
@@ -144,7 +135,7 @@ def _step_costs(eng, b: int, reps: int = 5):
     t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
     per_token = max(t_full - t_one, 0.0) / (b * t)
     fixed = max(t_one - per_token * b, 1e-9)
-    return t_draft / (t_draft + t_full), VerifyCost(fixed, per_token)
+    return t_draft / (t_draft + t_full), (t_draft + t_full) / t_one, VerifyCost(fixed, per_token)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ class PagedPool(NamedTuple):
         return PagedPool(jnp.zeros((rows, num_pages, page_size, width), dtype),
                          jnp.asarray(block_table, jnp.int32))
 
+    def logical_axes(self) -> "PagedPool":
+        """Replicated: every position's row may be read by any device's heads."""
+        return PagedPool((None,) * 4, (None, None))
+
     def slots(self, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(physical page, offset) of each (sequence, position)."""
         ps = self.page_size
@@ -103,6 +107,10 @@ class KDAStates(NamedTuple):
                dtype) -> "KDAStates":
         return KDAStates(jnp.zeros((n_layers, batch, kernel - 1, conv_width), dtype),
                          jnp.zeros((n_layers, batch, heads, head_dim, head_dim), jnp.float32))
+
+    def logical_axes(self) -> "KDAStates":
+        """Channels / heads on the tensor axis, as the KDA layers' projections are."""
+        return KDAStates((None, None, None, "heads"), (None, None, "heads", None, None))
 
 
 def fp8_round_trip(x: jax.Array) -> jax.Array:

@@ -20,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from dspark_jax import steps
 from dspark_jax.cache import KDAStates, PagedPool, storage_dtype
 from dspark_jax.kernels.dispatch import kernel_mode
 from dspark_jax.schedule import VerifyCost, verify_lengths
+from dspark_jax.sharding import logical_to_spec
 
 # model -> directory it was loaded from (to find its tokenizer)
 _SOURCES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -149,6 +151,8 @@ class Engine:
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)
         self.d_graph, self.d_state = nnx.split(draft) if draft is not None else (None, None)
+        sharding = jax.tree.leaves(self.t_state)[0].sharding
+        self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("temperature", "top_p", "span"),
                                 donate_argnames=("caches",))
         self._step = jax.jit(self._step_impl, static_argnames=("temperature", "top_p", "span"),
@@ -182,7 +186,22 @@ class Engine:
             p = cfg.kda_num_heads * cfg.kda_head_dim
             kda = KDAStates.create(len(cfg.kda_layers), batch, 3 * p, cfg.short_conv_kernel_size,
                                    cfg.kda_num_heads, cfg.kda_head_dim, self.compute_dtype)
-        return steps.TargetCaches(pool, kda)
+        caches = steps.TargetCaches(pool, kda)
+        return caches if self.mesh is None else jax.device_put(caches, self._cache_shardings(caches))
+
+    def _cache_shardings(self, caches: steps.TargetCaches):
+        axes = steps.TargetCaches(caches.pool.logical_axes(),
+                                  None if caches.kda is None else caches.kda.logical_axes())
+        return jax.tree.map(lambda ax, x: NamedSharding(self.mesh, logical_to_spec(ax, x.shape, self.mesh)),
+                            axes, caches, is_leaf=lambda t: isinstance(t, tuple) and
+                            all(a is None or isinstance(a, str) for a in t))
+
+    def _pinned(self, caches: steps.TargetCaches) -> steps.TargetCaches:
+        """The steps return the caches in exactly `new_caches`' placement: a different output
+        sharding would make the next call (its input) compile the step a second time."""
+        if self.mesh is None:
+            return caches
+        return jax.lax.with_sharding_constraint(caches, self._cache_shardings(caches))
 
     # -- jitted bodies ----------------------------------------------------------------------
     def _sampling(self, temperature: float | None, top_p: float | None) -> tuple[float, float]:
@@ -224,7 +243,7 @@ class Engine:
         if kda is not None:   # padding rows (slot out of range) are dropped
             kda = KDAStates(kda.conv.at[:, slots_P].set(sub.kda.conv, mode="drop"),
                             kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
-        return first, steps.TargetCaches(pool._replace(block_table=full_table), kda)
+        return first, self._pinned(steps.TargetCaches(pool._replace(block_table=full_table), kda))
 
     def _propose_impl(self, t_state, d_state, x0_B, lens_B, caches, key, *,
                       temperature: float | None = None, top_p: float | None = None, span: int | None = None):
@@ -237,7 +256,7 @@ class Engine:
         prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, _attention_rows(target), self.t,
                                  temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
         caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
-        return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, caches
+        return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def _step_impl(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
                    given_logits_BTV=None, limit_B=None,
@@ -289,7 +308,7 @@ class Engine:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
                                        _attention_rows(target))
             caches = caches._replace(pool=pool)
-        return n, acc.emitted_BT1, caches._replace(pool=caches.pool._replace(block_table=full_table))
+        return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
 
     # -- static batch (tests, generate) ----------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, max_len: int, eos_ids: set[int],

@@ -4,7 +4,8 @@
 Greedy, concurrency 1, chat template on, official prompt counts unless `--limit`. Prints the card's
 table (tok/fwd, acceptance %, prompts) and, with `--reference_draft`, the same-stack ratio table;
 writes `--output_json` and the per-position acceptance plot (`--output_png`, default beside the
-JSON). Omitted model flags run the demo pair. Multi-host: the same command on every host with the
+JSON). Omitted model flags run the demo pair. A full-count run takes hours on a CPU: with
+`--journal_dir` it survives interruption (rerun the same command to continue). Multi-host: the same command on every host with the
 `dspark_jax.distributed` settings and `--tp` = all devices; process 0 prints and writes.
 """
 
@@ -40,6 +41,8 @@ flags.DEFINE_integer("max_turns", None, "Turns per conversation at most (MT-Benc
 flags.DEFINE_string("output_json", None, "Write the results here (JSON).")
 flags.DEFINE_string("output_png", None, "Per-position acceptance plot (default: beside --output_json).")
 flags.DEFINE_bool("progress", True, "Show a progress bar per benchmark.")
+flags.DEFINE_string("journal_dir", None, "Append each finished conversation here (one JSONL per benchmark and "
+                    "draft); a rerun with the same settings resumes after them, a larger --limit extends them.")
 
 log = logging.getLogger("dspark_jax.serving")
 
@@ -48,7 +51,7 @@ def main(argv) -> None:
     del argv
     from dspark_jax.data.benchmarks import OFFICIAL_COUNTS
     from dspark_jax.serving import bench
-    from dspark_jax.serving.models import describe, load_draft_spec, load_pair
+    from dspark_jax.serving.models import describe, fingerprint, load_draft_spec, load_pair
 
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs, prints and writes the results
@@ -77,14 +80,25 @@ def main(argv) -> None:
     kw = dict(num_speculative_tokens=FLAGS.num_speculative_tokens, max_new_tokens=FLAGS.max_new_tokens,
               max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size,
               max_turns=FLAGS.max_turns)
+    def journal(role: str, draft_spec: str, name: str):
+        if not FLAGS.journal_dir:
+            return None
+        settings = {"benchmark": name, "model": pair.target_name, "model_sha": fingerprint(pair.target_name),
+                    "draft": draft_spec, "draft_sha": fingerprint(draft_spec), **kw}
+        # process 0 writes; the others (same file system) only read, so they skip the same items
+        return bench.Journal(Path(FLAGS.journal_dir) / f"{role}-{name}.jsonl", settings, writable=primary)
+
     runner = bench.Runner(pair.target, pair.draft, pair.tokenizer, **kw)
-    results = {n: bench.run_benchmark(runner, n, items[n], progress) for n in names}
+    results = {n: bench.run_benchmark(runner, n, items[n], progress, journal=journal("draft", pair.draft_name, n))
+               for n in names}
     reference = None
     if FLAGS.reference_draft:
         ref_draft = load_draft_spec(FLAGS.reference_draft, pair.target, pair.mesh)
         ref_runner = bench.Runner(pair.target, ref_draft, pair.tokenizer, **kw)
         reference = {n: bench.run_benchmark(ref_runner, n, items[n], progress,
-                                            desc=f"{bench.CARD_NAMES[n]} (reference)") for n in names}
+                                            desc=f"{bench.CARD_NAMES[n]} (reference)",
+                                            journal=journal("reference", FLAGS.reference_draft, n))
+                     for n in names}
     if not primary:
         return
 

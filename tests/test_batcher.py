@@ -155,3 +155,31 @@ def test_bad_request_rejected_at_add(llama):
     with pytest.raises(ValueError, match="max_new_tokens"):
         b.add(Request([1, 2], 0))
     assert not b.has_work()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
+    """The steps return the caches with `new_caches`' shardings: otherwise the second call (the
+    first one fed a step's output) compiles every program again (seconds per program on CPU)."""
+    from dspark_jax.sharding import make_mesh, shard_module
+
+    target = tiny_k3(0)
+    draft = tiny_draft(target, 1, layer_ids=(1, 3))
+    if sharded:
+        mesh = make_mesh(tensor=2, fsdp=2, data=2)
+        target, draft = shard_module(target, mesh), shard_module(draft, mesh)
+    eng = Engine(target, draft, T)
+    b = 2
+    caches = eng.new_caches(b, 64)
+    placement = [x.sharding for x in jax.tree.leaves(caches)]
+    if sharded:   # KDA heads on the tensor axis, the pool replicated
+        assert {str(s.spec) for s in placement} == {"P()", "P(None, None, None, 'tensor')",
+                                                    "P(None, None, 'tensor')"}
+    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), 5, jnp.int32)
+    active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
+    for _ in range(3):
+        *_, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key, span=64)
+        *_, caches = eng._step(eng.t_state, eng.d_state, x0, None, lens, active, jnp.int32(64), caches, key,
+                               span=64)
+        assert [x.sharding for x in jax.tree.leaves(caches)] == placement
+    assert eng._propose._cache_size() == 1 and eng._step._cache_size() == 1

@@ -98,8 +98,7 @@ def test_bench_limit5_table_json_png(pair_dirs, aime_file, tmp_path):
 
 
 def test_bench_default_models(smollm2_dir, tmp_path):
-    """No model flags: the demo pair (SmolLM2 + the demo draft, or the untrained-draft fallback
-    with a warning while the demo draft is not shipped)."""
+    """No model flags: the demo pair (SmolLM2 + the shipped demo draft)."""
     out = tmp_path / "demo.json"
     proc = _run(["--limit", "1", "--benchmarks", "gsm8k", "--max_new_tokens", "4", "--max_model_len", "512",
                  "--output_json", str(out), "--noprogress"],
@@ -107,8 +106,6 @@ def test_bench_default_models(smollm2_dir, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["settings"]["model"] == "smollm2-135m"
     assert doc["settings"]["draft_model"] == "smollm2-135m-dspark"
-    if doc["settings"]["draft_model"] == "untrained":
-        assert "UNTRAINED" in proc.stderr
     assert doc["results"]["gsm8k"]["prompts"] == 1
     _png_ok(out.with_suffix(".png"))
 
@@ -132,3 +129,38 @@ def test_aime_needs_a_file(pair_dirs):
                            str(draft_dir), "--benchmarks", "aime"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "--aime_file" in proc.stderr
+
+
+def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
+    """A journaled run cut short (the last line half written) and rerun with a larger limit
+    generates only the missing items, and its results equal one uninterrupted run's; a journal
+    of other settings is refused with the differing field named."""
+    from dspark_jax.generate import tokenizer_for
+
+    target_dir, draft_dir = pair_dirs
+    target, draft = load_target(target_dir), load_draft(draft_dir)
+    runner = bench.Runner(target, draft, tokenizer_for(target), num_speculative_tokens=T, max_new_tokens=12,
+                          max_model_len=512)
+    items = load_benchmark("aime", None, aime_file=aime_file)
+    settings = {"benchmark": "aime", "draft_sha": "a", "max_new_tokens": 12}
+    whole = bench.run_benchmark(runner, "aime", items, progress=False)
+
+    path = tmp_path / "draft-aime.jsonl"
+    bench.run_benchmark(runner, "aime", items[:3], progress=False, journal=bench.Journal(path, settings))
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 4                                   # settings + 3 items
+    path.write_bytes(b"".join(lines[:3]) + lines[3][:25])    # item 3 cut mid-line by a crash
+    ran = []
+    run_item = runner.run_item
+    runner.run_item = lambda item, stats: (ran.append(item.id), run_item(item, stats))[1]
+    resumed = bench.run_benchmark(runner, "aime", items, progress=False, journal=bench.Journal(path, settings))
+    assert ran == [it.id for it in items[2:]]
+    assert resumed.stats == whole.stats and resumed.items == whole.items
+    assert resumed.generated_tokens == whole.generated_tokens and resumed.turns == whole.turns
+    assert len(path.read_bytes().splitlines()) == 1 + len(items)
+
+    with pytest.raises(ValueError, match="draft_sha was 'a', now 'b'"):
+        bench.Journal(path, dict(settings, draft_sha="b"))
+    changed = [bench.BenchItem(items[0].id, ("another prompt",))]
+    with pytest.raises(ValueError, match=f"item {items[0].id}'s prompt differs"):
+        bench.run_benchmark(runner, "aime", changed, progress=False, journal=bench.Journal(path, settings))

@@ -6,10 +6,15 @@ chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
 Generation goes through the serving stack: one `Engine` per draft and one-slot `Batcher`s, the
 loop the server runs. With a reference draft the same prompts run again and the ratio table
 (ours / reference, per benchmark and the mean) compares the two on the same stack.
+
+A full-count run is long on small hardware: with a `Journal` every finished item is appended to
+a JSONL file (its record and its own statistics), and a rerun with the same settings restores
+those items instead of generating them again; a larger --limit extends a smaller run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -110,23 +115,89 @@ class Runner:
         return record
 
 
+class Journal:
+    """Finished items of one (benchmark, draft, settings) run, one JSON line each after a header
+    line holding the settings. Opening an existing journal with other settings is an error that
+    names the first differing field; a line cut short by a crash is dropped."""
+
+    def __init__(self, path: str | os.PathLike, settings: dict, *, writable: bool = True):
+        self.path, self.writable = Path(path), writable
+        self.done: dict[str, dict] = {}
+        settings = json.loads(json.dumps(settings))          # as it reads back (tuples -> lists)
+        if self.path.exists():
+            lines = self.path.read_bytes().split(b"\n")
+            good = 0                                           # bytes of complete, parseable lines
+            for i, raw in enumerate(lines[:-1]):               # the part after the last newline is cut
+                try:
+                    entry = json.loads(raw)
+                except json.JSONDecodeError:
+                    break
+                if i == 0:
+                    diff = [k for k in sorted(set(entry) | set(settings)) if entry.get(k) != settings.get(k)]
+                    if diff:
+                        k = diff[0]
+                        raise ValueError(f"{self.path}: journal of another run: {k} was {entry.get(k)!r}, "
+                                         f"now {settings.get(k)!r} (use another --journal_dir or delete it)")
+                else:
+                    self.done[entry["record"]["id"]] = entry
+                good += len(raw) + 1
+            if writable and good < self.path.stat().st_size:
+                with open(self.path, "r+b") as f:
+                    f.truncate(good)
+            if good == 0:
+                self._write(settings)
+        elif writable:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(settings)
+
+    def _write(self, entry: dict) -> None:
+        if not self.writable:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append(self, record: dict, prompt_sha: str, stats: SpecStats, wall_s: float) -> None:
+        entry = {"record": record, "prompt_sha": prompt_sha, "wall_s": wall_s,
+                 "stats": {"total_draft_tokens": stats.total_draft_tokens,
+                           "total_accepted_tokens": stats.total_accepted_tokens,
+                           "distribution": stats.distribution,
+                           "accepted_at_position": stats.accepted_at_position}}
+        self.done[record["id"]] = entry
+        self._write(entry)
+
+
 def run_benchmark(runner: Runner, name: str, items: Sequence[BenchItem], progress: bool = True,
-                  desc: str | None = None) -> BenchResult:
-    res = BenchResult(name, len(items), SpecStats(runner.engine.t))
+                  desc: str | None = None, journal: Journal | None = None) -> BenchResult:
+    t = runner.engine.t
+    res = BenchResult(name, len(items), SpecStats(t))
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(items), desc=desc or CARD_NAMES[name], unit="prompt", dynamic_ncols=True)
-    t0 = time.monotonic()
     for item in items:
-        rec = runner.run_item(item, res.stats)
+        entry = journal.done.get(item.id) if journal is not None else None
+        sha = hashlib.sha256(json.dumps(item.turns).encode()).hexdigest()[:16]
+        if entry is not None:                   # finished in an earlier run with these settings
+            if entry["prompt_sha"] != sha:
+                raise ValueError(f"{journal.path}: item {item.id}'s prompt differs from the journaled one")
+            rec, wall = entry["record"], entry["wall_s"]
+            item_stats = SpecStats(t, **entry["stats"])
+        else:
+            item_stats, t0 = SpecStats(t), time.monotonic()
+            rec = runner.run_item(item, item_stats)
+            wall = time.monotonic() - t0
+            if journal is not None:
+                journal.append(rec, sha, item_stats, wall)
+        res.stats.merge(item_stats)
         res.items.append(rec)
         res.turns += len(rec["turns"])
         res.generated_tokens += sum(t["generated_tokens"] for t in rec["turns"])
+        res.wall_s += wall
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(f"tok/fwd {res.tok_per_fwd:.3f}")
-    res.wall_s = time.monotonic() - t0
     if bar is not None:
         bar.close()
     return res

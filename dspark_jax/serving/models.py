@@ -11,6 +11,7 @@ start-up description they log.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
 from dspark_jax.config import DraftConfig
 from dspark_jax.generate import _attention_rows, _row_width, tokenizer_for
+from dspark_jax.presets import resolve_model_path
 
 log = logging.getLogger("dspark_jax.serving")
 
@@ -78,6 +80,30 @@ def load_draft_spec(spec: str, target, mesh=None):
     if spec == UNTRAINED or spec.startswith(UNTRAINED + ":"):
         return untrained_draft(target, spec[len(UNTRAINED) + 1:] or None, mesh=mesh)
     return load_draft(spec, dtype=target.dtype, mesh=mesh)
+
+
+def fingerprint(spec: str, content_limit: int = 256 << 20) -> str:
+    """What identifies a model's weights (a benchmark journal's key): sha256 over the directory's
+    files (name, size, and the content of files up to `content_limit` bytes; larger ones by
+    modification time), so a preset retrained under the same name gets a new fingerprint.
+    `untrained[:CONFIG]` is its config; `none` is itself."""
+    if spec == "none":
+        return spec
+    h = hashlib.sha256()
+    if spec == UNTRAINED or spec.startswith(UNTRAINED + ":"):
+        files = [Path(spec[len(UNTRAINED) + 1:] or DEMO_DRAFT_CONFIG)]
+    else:
+        files = sorted(p for p in resolve_model_path(spec).iterdir() if p.is_file())
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        if size <= content_limit:
+            with open(path, "rb") as f:
+                while block := f.read(16 << 20):
+                    h.update(block)
+        else:
+            h.update(str(path.stat().st_mtime_ns).encode())
+    return h.hexdigest()[:16]
 
 
 def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1) -> ModelPair:
