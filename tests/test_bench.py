@@ -101,8 +101,7 @@ def test_bench_default_models(smollm2_dir, tmp_path):
     """No model flags: the demo pair (SmolLM2 + the shipped demo draft)."""
     out = tmp_path / "demo.json"
     _run(["--limit", "1", "--benchmarks", "gsm8k", "--max_new_tokens", "4", "--max_model_len", "512",
-                 "--output_json", str(out), "--noprogress"],
-                env={"DSPARK_CACHE": str(Path(smollm2_dir).parent)})
+          "--output_json", str(out), "--noprogress"], env={"DSPARK_CACHE": str(Path(smollm2_dir).parent)})
     doc = json.loads(out.read_text())
     assert doc["settings"]["model"] == "smollm2-135m"
     assert doc["settings"]["draft_model"] == "smollm2-135m-dspark"
