@@ -44,7 +44,7 @@ def main(argv):
 
     from dspark_jax import generate, load_target
     from dspark_jax.data.benchmarks import load_gsm8k
-    from dspark_jax.generate import _engine
+    from dspark_jax.generate import engine_for
     from dspark_jax.serving.models import load_draft_spec
 
     target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
@@ -54,7 +54,7 @@ def main(argv):
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
-        eng = _engine(target, draft, _T.value, 0.0, 1.0, "auto", 16)
+        eng = engine_for(target, draft, _T.value, 0.0, 1.0, "auto", 16)
         share, break_even, cost = _step_costs(eng, b)
         row["draft_share_of_step"] = share
         row["break_even_tok_per_fwd"] = break_even
@@ -108,10 +108,11 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
     import jax
     import jax.numpy as jnp
 
+    from dspark_jax.generate import pow2
     from dspark_jax.schedule import VerifyCost
 
     t, max_len = eng.t, 512
-    span = max(64, 1 << (context + t).bit_length())
+    span = max(64, pow2(context + t + 1))
     caches = eng.new_caches(b, max_len)
     x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), context, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)

@@ -108,18 +108,21 @@ class GenerateResult:
 # the engine: compiled steps for one (target, draft, batch, T, sampling) setting
 
 
-def _embed_and_head(target):
+def embed_and_head(target):
+    """The target's embedding table and lm_head (the same array when tied): the draft uses both."""
     embed = target.model.embed_tokens.weight.get_value()
     head = embed if target.cfg.tie_word_embeddings else target.lm_head.weight.get_value()
     return embed, head
 
 
-def _attention_rows(target) -> int:
+def attention_rows(target) -> int:
+    """Pool rows the target's attention layers take (the draft's rows follow them)."""
     cfg = target.cfg
     return len(cfg.full_attn_layers) if cfg.family == "kimi_linear" else cfg.num_hidden_layers
 
 
-def _row_width(target) -> int:
+def row_width(target) -> int:
+    """Width of one target pool row: the MLA latent, or a llama layer's `[k | v]`."""
     cfg = target.cfg
     if cfg.family == "kimi_linear":
         return cfg.kv_latent_dim
@@ -177,8 +180,8 @@ class Engine:
 
     # -- caches -----------------------------------------------------------------------------
     def new_caches(self, batch: int, max_len: int) -> steps.TargetCaches:
-        rows = _attention_rows(self.target) + (self.draft.cfg.num_hidden_layers if self.draft else 0)
-        width = max(_row_width(self.target), self.draft.cfg.kv_latent_dim if self.draft else 0)
+        rows = attention_rows(self.target) + (self.draft.cfg.num_hidden_layers if self.draft else 0)
+        width = max(row_width(self.target), self.draft.cfg.kv_latent_dim if self.draft else 0)
         pool = PagedPool.create(rows, batch, max_len, self.page_size, width, self.store_dtype)
         kda = None
         cfg = self.target.cfg
@@ -238,7 +241,7 @@ class Engine:
         first = steps.sample_tokens(last, temperature, top_p, key)
         pool = sub.pool
         if draft is not None:
-            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, _attention_rows(target))
+            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, attention_rows(target))
         kda = caches.kda
         if kda is not None:   # padding rows (slot out of range) are dropped
             kda = KDAStates(kda.conv.at[:, slots_P].set(sub.kda.conv, mode="drop"),
@@ -252,8 +255,8 @@ class Engine:
         temperature, top_p = self._sampling(temperature, top_p)
         full_table = caches.pool.block_table
         pool = caches.pool._replace(block_table=_span_table(full_table, caches.pool.page_size, span))
-        embed, head = _embed_and_head(target)
-        prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, _attention_rows(target), self.t,
+        embed, head = embed_and_head(target)
+        prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, attention_rows(target), self.t,
                                  temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
         caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
@@ -278,8 +281,8 @@ class Engine:
         if given_drafts_BT is not None:
             drafts = given_drafts_BT
         elif draft is not None:
-            embed, head = _embed_and_head(target)
-            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, _attention_rows(target), self.t,
+            embed, head = embed_and_head(target)
+            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, attention_rows(target), self.t,
                                      temperature=temperature, top_p=top_p,
                                      key=k_draft if temperature > 0 else None)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
@@ -306,7 +309,7 @@ class Engine:
             caches = caches._replace(kda=steps.commit_kda(caches.kda, snaps, n))
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
-                                       _attention_rows(target))
+                                       attention_rows(target))
             caches = caches._replace(pool=pool)
         return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
 
@@ -444,7 +447,7 @@ class Batcher:
 
     def _span(self, n: int) -> int | None:
         """Positions a step must see, bucketed to powers of two (few compilations); None = all."""
-        span = max(_pow2(n), 64)
+        span = max(pow2(n), 64)
         return None if span >= self.max_len else span
 
     def _next_key(self) -> jax.Array:
@@ -464,7 +467,7 @@ class Batcher:
             groups.setdefault(r.sampling, []).append(r)
         eng = self.engine
         for (temperature, top_p), reqs in groups.items():
-            p = min(_pow2(len(reqs)), self.num_slots)
+            p = min(pow2(len(reqs)), self.num_slots)
             s = _bucket(max(len(r.prompt) for r in reqs))
             tokens = np.zeros((p, s), np.int32)
             lens = np.zeros(p, np.int32)
@@ -545,7 +548,8 @@ class Batcher:
         r.slot = None
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (shape buckets: few compilations)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -605,13 +609,13 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     t = num_speculative_tokens if (draft is not None or proposer is not None) else 0
     longest = max(len(p) for p in ids)
-    limit = max_model_len or _default_max_len(target)
+    limit = max_model_len or default_max_len(target)
     for i, p in enumerate(ids):
         if len(p) + t + 1 > limit:
             raise RequestError(f"prompts[{i}]: {len(p)} tokens (+{t + 1} for one verify step) exceed "
                                f"max_model_len={limit}")
     # bucketed (powers of two) so repeated calls reuse compiled steps
-    max_len = min(limit, max(128, _pow2(longest + max_new_tokens + t + 1)))
+    max_len = min(limit, max(128, pow2(longest + max_new_tokens + t + 1)))
     eos = frozenset(eos_ids(target, tokenizer))
     stops = list(stop or [])
     check = stop_checker(stops, tokenizer)
@@ -620,7 +624,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if confidence_schedule and draft is not None:
         schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()
     if engine is None:
-        engine = _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule)
+        engine = engine_for(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule)
     batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
@@ -636,7 +640,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 _ENGINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _engine(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule=None) -> Engine:
+def engine_for(target, draft, t, temperature, top_p, kv_cache_dtype, page_size, schedule=None) -> Engine:
+    """The Engine for one setting, kept per target, so repeated `generate()` calls (and regen,
+    benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode is read when a step is traced, so it is part of what a compiled engine is
     key = (id(draft), t, *sampling_key(temperature, top_p), kv_cache_dtype, page_size, schedule, kernel_mode())
@@ -692,7 +698,8 @@ def output_text(tokens: Sequence[int], tokenizer, eos: frozenset[int] | set[int]
     return text
 
 
-def _default_max_len(target) -> int:
+def default_max_len(target) -> int:
+    """The target's position limit (max_position_embeddings; 4096 when the config has none)."""
     cfg = target.cfg
     return int(getattr(cfg, "max_position_embeddings", 0) or 4096)
 

@@ -284,7 +284,7 @@ def prefill_chunk(engine, t_state, d_state, tokens_BC: jax.Array, start_B: jax.A
     token sampled after each chunk's last valid token (the first generated token once the chunk
     is the prompt's last) and the caches. Equal to `Engine._prefill_impl` over the whole prompt
     when the chunks are fed in order."""
-    from dspark_jax.generate import _attention_rows
+    from dspark_jax.generate import attention_rows
 
     target, draft = engine._models(t_state, d_state)
     c = tokens_BC.shape[1]
@@ -298,7 +298,7 @@ def prefill_chunk(engine, t_state, d_state, tokens_BC: jax.Array, start_B: jax.A
                                         verify=False)
     pool = view.pool
     if draft is not None:
-        pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, _attention_rows(target))
+        pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, attention_rows(target))
     if kda is not None:
         kda = KDAStates(kda.conv.at[:, slots_B].set(view.kda.conv), kda.ssm.at[:, slots_B].set(view.kda.ssm))
     last = jnp.take_along_axis(out.logits, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
@@ -308,11 +308,11 @@ def prefill_chunk(engine, t_state, d_state, tokens_BC: jax.Array, start_B: jax.A
 
 def propose(engine, t_state, d_state, x0_B: jax.Array, lens_B: jax.Array, pool: PagedPool) -> steps.DraftProposal:
     """The draft's block pass from the shared pool (the propose half of `Engine._step_impl`)."""
-    from dspark_jax.generate import _attention_rows, _embed_and_head
+    from dspark_jax.generate import attention_rows, embed_and_head
 
     target, draft = engine._models(t_state, d_state)
-    embed, head = _embed_and_head(target)
-    return steps.draft_block(draft, embed, head, x0_B, lens_B, pool, _attention_rows(target), engine.t)
+    embed, head = embed_and_head(target)
+    return steps.draft_block(draft, embed, head, x0_B, lens_B, pool, attention_rows(target), engine.t)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,8 +152,8 @@ def _exclusive(out: Path) -> Iterator[None]:
 def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
-    from dspark_jax.generate import (Batcher, Request, _default_max_len, _engine, _pow2, encode_prompt, eos_ids,
-                                     output_text)
+    from dspark_jax.generate import (Batcher, Request, default_max_len, encode_prompt, engine_for, eos_ids,
+                                     output_text, pow2)
 
     _check_meta(out, settings)
     _repair_tail(out)
@@ -164,14 +164,14 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
         log(f"{len(done)} already cached, {len(todo)} to generate ({batch_size} at a time)")
     if not todo:
         return counts
-    limit = _default_max_len(target)
+    limit = default_max_len(target)
     prompts = [encode_prompt(prompt_messages(r), tokenizer, True, f"record {r['id']}") for r in todo]
     too_long = [r["id"] for r, p in zip(todo, prompts) if len(p) + 1 > limit]
     if too_long:
         raise ValueError(f"prompts longer than the target's {limit} positions: {too_long[:5]}")
-    max_len = min(limit, _pow2(max(len(p) for p in prompts) + settings.max_new_tokens + 1))
+    max_len = min(limit, pow2(max(len(p) for p in prompts) + settings.max_new_tokens + 1))
     eos = frozenset(eos_ids(target, tokenizer))
-    engine = _engine(target, None, 0, settings.temperature, 1.0, "auto", 16)
+    engine = engine_for(target, None, 0, settings.temperature, 1.0, "auto", 16)
     batcher = Batcher(engine, batch_size, max_len, seed=settings.seed)
     for i, p in enumerate(prompts):
         batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
