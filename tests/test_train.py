@@ -514,6 +514,15 @@ def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         regen.regenerate(target, tok, recs, out, settings=regen.RegenSettings("tiny", 8, 0.0, 0, "x"))
 
+    # a snapshot: the rows of the given prompts in that order, with the settings file
+    snap = tmp_path / "first3.jsonl"
+    assert regen.write_snapshot(out, ["r2", "r0", "r1"], snap) == 3
+    assert regen.read_cache(snap) == [rows[2], rows[0], rows[1]]
+    assert regen.meta_path(snap).read_text() == regen.meta_path(out).read_text()
+    with pytest.raises(ValueError, match="1 of the 2 prompts have no answer yet .first: 'r9'"):
+        regen.write_snapshot(out, ["r0", "r9"], tmp_path / "bad.jsonl")
+    assert not (tmp_path / "bad.jsonl").exists()
+
 
 def test_torchspec_checkpoint_maps_to_a_train_state(pair, tmp_path):
     import torch

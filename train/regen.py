@@ -1,7 +1,7 @@
 """Cache the target's answers to the prompt pool (spec D; format in dspark_jax/train/regen.py).
 
     python -m train.regen --prompts runs/demo/prompts.jsonl --out runs/demo/regen.jsonl \
-        [--model smollm2-135m] [--max_new_tokens 256] [--batch_size 8] [--limit N]
+        [--model smollm2-135m] [--max_new_tokens 256] [--batch_size 8] [--limit N] [--snapshot FILE]
 
 Greedy (T=0) by default, through `generate()` with the serving chat template. Rerunning the same
 command resumes: prompts already in --out are skipped. Progress (prompts, tokens/s, ETA) goes to
@@ -44,6 +44,8 @@ flags.DEFINE_integer("min_loss_tokens", regen.MIN_LOSS_TOKENS, "Answers shorter 
 flags.DEFINE_integer("limit", None, "Use only the first N prompts of the pool.", lower_bound=1)
 flags.DEFINE_integer("num_shards", 1, "Split the pool over this many processes.", lower_bound=1)
 flags.DEFINE_integer("shard_index", 0, "This process's shard (prompts i with i % num_shards == index).")
+flags.DEFINE_string("snapshot", None, "After the run, also write the answers of the first --limit prompts, in "
+                    "pool order, to this file: a fixed training set while --out keeps growing.")
 flags.mark_flags_as_required(["prompts", "out"])
 
 
@@ -60,6 +62,8 @@ def main(argv: list[str]) -> None:
         # answering is embarrassingly parallel: each process decodes its shard on its own devices
         num_shards, shard_index = dist.num_processes, dist.process_id
         out = str(shard_path(out, shard_index, num_shards))
+    if FLAGS.snapshot and num_shards > 1:
+        raise app.UsageError("--snapshot needs the whole pool in one cache: run it without shards")
     if not 0 <= shard_index < num_shards:
         raise app.UsageError(f"--shard_index={shard_index} is not in 0..{num_shards - 1}")
     t0 = time.time()
@@ -83,6 +87,9 @@ def main(argv: list[str]) -> None:
                               batch_size=FLAGS.batch_size, log=log)
     kept = sum(r["kept"] for r in regen.read_cache(out))
     log(f"done: {counts}; {kept} kept samples in {out}")
+    if FLAGS.snapshot:
+        n = regen.write_snapshot(out, [r["id"] for r in records], FLAGS.snapshot)
+        log(f"snapshot: the answers of {n} prompts in {FLAGS.snapshot}")
 
 
 def shard_path(out: str, index: int, count: int) -> Path:

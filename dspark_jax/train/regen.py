@@ -111,6 +111,28 @@ def read_cache(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
+def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str | os.PathLike) -> int:
+    """The cached answers of `prompt_ids`, in that order, as a cache file of their own (with its
+    settings file): a fixed training set while the cache keeps growing, and the same rows
+    whatever order the batcher finished them in. Every prompt must be answered already."""
+    rows = {r["id"]: r for r in read_cache(cache)}
+    missing = [i for i in prompt_ids if i not in rows]
+    if missing:
+        raise ValueError(f"{cache}: {len(missing)} of the {len(prompt_ids)} prompts have no answer yet "
+                         f"(first: {missing[0]!r}); finish the regen before the snapshot")
+    dst = Path(dst)
+    tmp = dst.with_name(dst.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in prompt_ids:
+            f.write(json.dumps(rows[i]) + "\n")
+    if meta_path(cache).exists():
+        meta_tmp = meta_path(dst).with_name(meta_path(dst).name + ".tmp")
+        meta_tmp.write_text(meta_path(cache).read_text())
+        os.replace(meta_tmp, meta_path(dst))
+    os.replace(tmp, dst)
+    return len(prompt_ids)
+
+
 def _check_meta(path: Path, settings: RegenSettings) -> None:
     mp = meta_path(path)
     want = asdict(settings)
