@@ -195,9 +195,15 @@ class Engine:
     def _cache_shardings(self, caches: steps.TargetCaches):
         axes = steps.TargetCaches(caches.pool.logical_axes(),
                                   None if caches.kda is None else caches.kda.logical_axes())
-        return jax.tree.map(lambda ax, x: NamedSharding(self.mesh, logical_to_spec(ax, x.shape, self.mesh)),
-                            axes, caches, is_leaf=lambda t: isinstance(t, tuple) and
-                            all(a is None or isinstance(a, str) for a in t))
+
+        def named(ax, x):
+            spec = list(logical_to_spec(ax, x.shape, self.mesh))
+            while spec and spec[-1] is None:     # the form XLA gives outputs: P(None, None) is P()
+                spec.pop()
+            return NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+
+        return jax.tree.map(named, axes, caches,
+                            is_leaf=lambda t: isinstance(t, tuple) and all(a is None or isinstance(a, str) for a in t))
 
     def _pinned(self, caches: steps.TargetCaches) -> steps.TargetCaches:
         """The steps return the caches in exactly `new_caches`' placement: a different output

@@ -80,8 +80,6 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
                 out.append(names[0] if len(names) == 1 else names)
                 continue
         out.append(None)
-    while out and out[-1] is None:     # canonical form (as XLA returns it): P(None, None) is P()
-        out.pop()
     return P(*out)
 
 

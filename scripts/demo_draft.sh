@@ -3,21 +3,25 @@
 # machine with the package's own pipeline. Every stage resumes where it stopped, so rerunning this
 # script after an interruption continues the run:
 #     nohup scripts/demo_draft.sh > runs/demo/pipeline.log 2>&1 &
-# Stages: (1) prompt pool, (2) the target's greedy answers (T=0, <= 256 new tokens, 16 at a time),
-# (3) off-policy prefill distillation with the online teacher, (4) the torch-layout draft copied
-# to $RUN/$NAME. Outputs stay under runs/ (gitignored).
-# The shipped v0 (dspark_jax/drafts/smollm2-135m-dspark) is this script's output with the defaults
-# below; its answers were cut from a cache that was still growing (rows of the first LIMIT prompts),
-# and the first 56 of them came from the earlier batch-of-8 regen (same greedy answers).
+# Stages: (1) prompt pool; (2) the target's greedy answers (T=0, <= 256 new tokens, 16 at a time)
+# to the first LIMIT prompts, frozen as a snapshot; (3) stage-1 distillation (online teacher, 64
+# anchors per sequence, STEPS steps) = v0; (4) more answers (the first LIMIT2 prompts) and stage 2
+# from stage 1's draft (128 anchors, STEPS2 steps) = v1; (5) the torch-layout draft copied to
+# $RUN/$NAME; (6) acceptance beside the untrained draft. Outputs stay under runs/ (gitignored).
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is this script's output with the
+# defaults below (STAGES=2); STAGES=1 stops after v0.
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
-# same way on the same answers:  ABLATION=1 scripts/demo_draft.sh
+# same way as v0 on the same answers:  ABLATION=1 STAGES=1 scripts/demo_draft.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 
 RUN=${RUN:-runs/demo}
-LIMIT=${LIMIT:-591}           # prompts answered by the target (the first N of the ~17k-prompt pool)
-STEPS=${STEPS:-80}            # optimizer steps of 16 sequences (80 = 2.2 epochs of 589 usable answers)
+LIMIT=${LIMIT:-591}           # stage 1: the first N prompts of the ~17k-prompt pool (589 usable answers)
+STEPS=${STEPS:-80}            # stage 1: optimizer steps of 16 sequences (2.2 epochs)
+LIMIT2=${LIMIT2:-882}         # stage 2: the first N prompts (880 usable answers)
+STEPS2=${STEPS2:-96}          # stage 2: optimizer steps of 16 sequences
+STAGES=${STAGES:-2}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
 NAME=smollm2-135m-dspark
 mkdir -p "$RUN"
@@ -36,25 +40,40 @@ if [ ! -s "$RUN/prompts.jsonl" ]; then
     python -m train.prompts --out "$RUN/prompts.jsonl"
 fi
 
-# (2) SmolLM2's own answers through generate() with the serving chat template (resumable)
-python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
-    --dtype float32 --max_new_tokens 256 --batch_size 16 --temperature 0 --limit "$LIMIT"
+answers() {   # answers of the first $1 prompts, frozen in pool order as $RUN/answers-$1.jsonl (resumable)
+    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
+        --dtype float32 --max_new_tokens 256 --batch_size 16 --temperature 0 --limit "$1" \
+        --snapshot "$RUN/answers-$1.jsonl"
+}
+distill() {   # run dir, data, steps, anchors, extra flags (resumes from the run dir's checkpoints)
+    local dir=$1 data=$2 steps=$3 anchors=$4; shift 4
+    python -m train.distill --target smollm2-135m --target_dtype float32 --data "$data" \
+        --run_dir "$dir" --total_steps "$steps" --global_batch 16 --micro_batch 4 --max_len 512 \
+        --num_anchors "$anchors" --lr 6e-4 --warmup_frac 0.04 --min_lr_frac 0.1 --clip 1.0 \
+        --compute_dtype float32 --save_every 5 --log_every 1 "$@"
+}
+last_export() { ls -d "$1"/export/step_* | sort | tail -1; }
 
-# (3) distillation (resumes from its checkpoints; exports $RUN/distill-$NAME/export/step_N)
-python -m train.distill --target smollm2-135m --target_dtype float32 --data "$RUN/regen.jsonl" \
-    --draft_config "$CONFIG" --run_dir "$RUN/distill-$NAME" \
-    --total_steps "$STEPS" --global_batch 16 --micro_batch 4 --max_len 512 --num_anchors 64 \
-    --lr 6e-4 --warmup_frac 0.04 --min_lr_frac 0.1 --clip 1.0 --compute_dtype float32 --seed 0 \
-    --save_every 5 --log_every 1
+# (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
+# distillation from a random init
+[ -s "$RUN/answers-$LIMIT.jsonl" ] || answers "$LIMIT"
+distill "$RUN/distill-$NAME-1" "$RUN/answers-$LIMIT.jsonl" "$STEPS" 64 --draft_config "$CONFIG" --seed 0
+final=$(last_export "$RUN/distill-$NAME-1")
 
-# (4) the final torch-layout draft (config.json + model.safetensors, bf16)
-final=$(ls -d "$RUN/distill-$NAME"/export/step_* | sort | tail -1)
+# (4) stage 2 (v1): more answers, then distillation continued from stage 1's draft (fresh optimizer)
+if [ "$STAGES" -ge 2 ]; then
+    [ -s "$RUN/answers-$LIMIT2.jsonl" ] || answers "$LIMIT2"
+    distill "$RUN/distill-$NAME-2" "$RUN/answers-$LIMIT2.jsonl" "$STEPS2" 128 --init_from "$final" --seed 1
+    final=$(last_export "$RUN/distill-$NAME-2")
+fi
+
+# (5) the final torch-layout draft (config.json + model.safetensors, bf16)
 rm -rf "$RUN/$NAME.tmp" && cp -r "$final" "$RUN/$NAME.tmp"
 rm -rf "$RUN/$NAME" && mv "$RUN/$NAME.tmp" "$RUN/$NAME"
 echo "demo draft: $RUN/$NAME (from $final)"
 
-# (5) acceptance on held-out prompts: GSM8K test (60) and MT-Bench first turns (20), T=0, 7 drafts,
+# (6) acceptance on held-out prompts: GSM8K test (60) and MT-Bench first turns (20), T=0, 7 drafts,
 # beside the untrained draft. The shipped preset `smollm2-135m-dspark` is $RUN/$NAME copied to
 # dspark_jax/drafts/smollm2-135m-dspark/.
-python -m benchmarks.acceptance --drafts "$RUN/$NAME,untrained" --gsm8k 60 --mt_bench 20 \
+python -m benchmarks.acceptance --drafts "$RUN/$NAME,untrained" --gsm8k 60 --mt_bench 20 --max_new_tokens 128 \
     --output_json "$RUN/acceptance-$NAME.json"
