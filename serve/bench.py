@@ -80,6 +80,7 @@ def main(argv) -> None:
     kw = dict(num_speculative_tokens=FLAGS.num_speculative_tokens, max_new_tokens=FLAGS.max_new_tokens,
               max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size,
               max_turns=FLAGS.max_turns)
+
     def journal(role: str, draft_spec: str, name: str):
         if not FLAGS.journal_dir:
             return None

@@ -63,7 +63,13 @@ def test_bench_limit5_table_json_png(pair_dirs, aime_file, tmp_path):
     proc = _run(["--model", str(target_dir), "--draft_model", str(draft_dir), "--limit", "5",
                  "--aime_file", str(aime_file), "--benchmarks", "gsm8k,humaneval,mtbench,aime26",
                  "--num_speculative_tokens", str(T), "--max_new_tokens", "24", "--max_model_len", "1024",
-                 "--reference_draft", f"untrained:{draft_dir / 'config.json'}", "--output_json", str(out)])
+                 "--reference_draft", f"untrained:{draft_dir / 'config.json'}", "--output_json", str(out),
+                 "--journal_dir", str(tmp_path / "journal")])
+    # every conversation journaled, per benchmark and draft, after its settings line
+    for role in ("draft", "reference"):
+        for name in ("gsm8k", "humaneval", "mt_bench", "aime"):
+            header, *entries = (json.loads(x) for x in (tmp_path / "journal" / f"{role}-{name}.jsonl").read_text().splitlines())
+            assert header["benchmark"] == name and header["max_new_tokens"] == 24 and len(entries) == 5
     # the card's table and the ratio table on stdout
     for row in ("| GSM8K |", "| HumanEval |", "| MT-Bench |", "| AIME 2026 |", "| mean |"):
         assert proc.stdout.count(row) == 2, row
