@@ -5,8 +5,9 @@ Greedy, concurrency 1, chat template on, official prompt counts unless `--limit`
 table (tok/fwd, acceptance %, prompts) and, with `--reference_draft`, the same-stack ratio table;
 writes `--output_json` and the per-position acceptance plot (`--output_png`, default beside the
 JSON). Omitted model flags run the demo pair. A full-count run takes hours on a CPU: with
-`--journal_dir` it survives interruption (rerun the same command to continue). Multi-host: the same command on every host with the
-`dspark_jax.distributed` settings and `--tp` = all devices; process 0 prints and writes.
+`--journal_dir` it survives interruption (rerun the same command to continue). Multi-host: the
+same command on every host with the `dspark_jax.distributed` settings and `--tp` = all devices;
+process 0 prints and writes.
 """
 
 from __future__ import annotations

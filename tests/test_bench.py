@@ -68,7 +68,8 @@ def test_bench_limit5_table_json_png(pair_dirs, aime_file, tmp_path):
     # every conversation journaled, per benchmark and draft, after its settings line
     for role in ("draft", "reference"):
         for name in ("gsm8k", "humaneval", "mt_bench", "aime"):
-            header, *entries = (json.loads(x) for x in (tmp_path / "journal" / f"{role}-{name}.jsonl").read_text().splitlines())
+            lines = (tmp_path / "journal" / f"{role}-{name}.jsonl").read_text().splitlines()
+            header, *entries = (json.loads(x) for x in lines)
             assert header["benchmark"] == name and header["max_new_tokens"] == 24 and len(entries) == 5
     # the card's table and the ratio table on stdout
     for row in ("| GSM8K |", "| HumanEval |", "| MT-Bench |", "| AIME 2026 |", "| mean |"):
