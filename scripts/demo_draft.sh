@@ -8,9 +8,9 @@
 # anchors per sequence, STEPS steps) = v0; (4) more answers (the first LIMIT2 prompts) and stage 2
 # from stage 1's draft (128 anchors, STEPS2 steps) = v1; (5) the torch-layout draft copied to
 # $RUN/$NAME; (6) acceptance beside the untrained draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v0: stage 1 with the defaults
-# below (STAGES=1 stops there; v0 was trained on the same 591 rows in the cache's completion order,
-# the snapshot holds them in pool order). Stage 2 (v1) is still being trained and measured.
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v1: this script's output with the
+# defaults below (STAGES=1 stops after v0; v0 was trained on the same 591 rows in the cache's
+# completion order, the snapshot holds them in pool order).
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
 # same way as v0 on the same answers:  ABLATION=1 STAGES=1 scripts/demo_draft.sh
 set -euo pipefail
