@@ -129,6 +129,13 @@ def row_width(target) -> int:
     return 2 * cfg.num_key_value_heads * cfg.head_dim
 
 
+def pool_geometry(target, draft) -> tuple[int, int]:
+    """(rows, width) of the paged pool a pair needs: the target's attention rows then the
+    draft's layers, as wide as the wider of the two row kinds."""
+    rows = attention_rows(target) + (draft.cfg.num_hidden_layers if draft is not None else 0)
+    return rows, max(row_width(target), draft.cfg.kv_latent_dim if draft is not None else 0)
+
+
 class Engine:
     """Split models and the jitted prefill/step functions for one (target, draft, T, cache) setting.
 
@@ -180,8 +187,7 @@ class Engine:
 
     # -- caches -----------------------------------------------------------------------------
     def new_caches(self, batch: int, max_len: int) -> steps.TargetCaches:
-        rows = attention_rows(self.target) + (self.draft.cfg.num_hidden_layers if self.draft else 0)
-        width = max(row_width(self.target), self.draft.cfg.kv_latent_dim if self.draft else 0)
+        rows, width = pool_geometry(self.target, self.draft)
         pool = PagedPool.create(rows, batch, max_len, self.page_size, width, self.store_dtype)
         kda = None
         cfg = self.target.cfg

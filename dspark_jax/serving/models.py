@@ -23,7 +23,7 @@ from flax import nnx
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
 from dspark_jax.config import DraftConfig
-from dspark_jax.generate import attention_rows, row_width, tokenizer_for
+from dspark_jax.generate import pool_geometry, tokenizer_for
 from dspark_jax.presets import resolve_model_path
 
 log = logging.getLogger("dspark_jax.serving")
@@ -144,8 +144,7 @@ def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: st
         cache += f", block_size {block_size}"
     if max_num_seqs is not None and max_model_len is not None:
         draft = pair.draft if num_speculative_tokens else None
-        rows = attention_rows(pair.target) + (draft.cfg.num_hidden_layers if draft is not None else 0)
-        width = max(row_width(pair.target), draft.cfg.kv_latent_dim if draft is not None else 0)
+        rows, width = pool_geometry(pair.target, draft)
         itemsize = jax.numpy.dtype(store_dtype or pair.target.dtype).itemsize
         nbytes = rows * max_num_seqs * max_model_len * width * itemsize
         cache += (f", {rows} rows x {max_num_seqs} slots x {max_model_len} positions x {width} wide "
