@@ -6,11 +6,13 @@
 # Stages: (1) prompt pool; (2) the target's greedy answers (T=0, <= 256 new tokens, 16 at a time)
 # to the first LIMIT prompts, frozen as a snapshot; (3) stage-1 distillation (online teacher, 64
 # anchors per sequence, STEPS steps) = v0; (4) more answers (the first LIMIT2 prompts) and stage 2
-# from stage 1's draft (128 anchors, STEPS2 steps) = v1; (5) the torch-layout draft copied to
-# $RUN/$NAME; (6) acceptance beside the untrained draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v1: this script's output with the
-# defaults below (STAGES=1 stops after v0; v0 was trained on the same 591 rows in the cache's
-# completion order, the snapshot holds them in pool order).
+# from stage 1's draft (128 anchors, STEPS2 steps) = v1; (5) stage 3 from v1 with the offline
+# teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
+# them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
+# draft. Outputs stay under runs/ (gitignored).
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v2: this script's output with the
+# defaults below (STAGES=1 stops after v0, STAGES=2 after v1; v0 was trained on the same 591 rows
+# in the cache's completion order, the snapshot holds them in pool order).
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
 # same way as v0 on the same answers:  ABLATION=1 STAGES=1 scripts/demo_draft.sh
 set -euo pipefail
@@ -21,8 +23,9 @@ RUN=${RUN:-runs/demo}
 LIMIT=${LIMIT:-591}           # stage 1: the first N prompts of the ~17k-prompt pool (589 usable answers)
 STEPS=${STEPS:-80}            # stage 1: optimizer steps of 16 sequences (2.2 epochs)
 LIMIT2=${LIMIT2:-882}         # stage 2: the first N prompts (880 usable answers)
-STEPS2=${STEPS2:-96}          # stage 2: optimizer steps of 16 sequences
-STAGES=${STAGES:-2}
+STEPS2=${STEPS2:-80}          # stage 2: optimizer steps of 16 sequences
+STEPS3=${STEPS3:-160}         # stage 3: optimizer steps of 16 sequences, offline teacher
+STAGES=${STAGES:-3}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
 NAME=smollm2-135m-dspark
 mkdir -p "$RUN"
@@ -46,9 +49,9 @@ answers() {   # answers of the first $1 prompts, frozen in pool order as $RUN/an
         --dtype float32 --max_new_tokens 256 --batch_size 16 --temperature 0 --limit "$1" \
         --snapshot "$RUN/answers-$1.jsonl"
 }
-distill() {   # run dir, data, steps, anchors, extra flags (resumes from the run dir's checkpoints)
-    local dir=$1 data=$2 steps=$3 anchors=$4; shift 4
-    python -m train.distill --target smollm2-135m --target_dtype float32 --data "$data" \
+distill() {   # run dir, steps, anchors, data flags (resumes from the run dir's checkpoints)
+    local dir=$1 steps=$2 anchors=$3; shift 3
+    python -m train.distill --target smollm2-135m --target_dtype float32 \
         --run_dir "$dir" --total_steps "$steps" --global_batch 16 --micro_batch 4 --max_len 512 \
         --num_anchors "$anchors" --lr 6e-4 --warmup_frac 0.04 --min_lr_frac 0.1 --clip 1.0 \
         --compute_dtype float32 --save_every 5 --log_every 1 "$@"
@@ -58,22 +61,32 @@ last_export() { ls -d "$1"/export/step_* | sort | tail -1; }
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
 [ -s "$RUN/answers-$LIMIT.jsonl" ] || answers "$LIMIT"
-distill "$RUN/distill-$NAME-1" "$RUN/answers-$LIMIT.jsonl" "$STEPS" 64 --draft_config "$CONFIG" --seed 0
+distill "$RUN/distill-$NAME-1" "$STEPS" 64 --data "$RUN/answers-$LIMIT.jsonl" --draft_config "$CONFIG" --seed 0
 final=$(last_export "$RUN/distill-$NAME-1")
 
 # (4) stage 2 (v1): more answers, then distillation continued from stage 1's draft (fresh optimizer)
 if [ "$STAGES" -ge 2 ]; then
     [ -s "$RUN/answers-$LIMIT2.jsonl" ] || answers "$LIMIT2"
-    distill "$RUN/distill-$NAME-2" "$RUN/answers-$LIMIT2.jsonl" "$STEPS2" 128 --init_from "$final" --seed 1
+    distill "$RUN/distill-$NAME-2" "$STEPS2" 128 --data "$RUN/answers-$LIMIT2.jsonl" --init_from "$final" --seed 1
     final=$(last_export "$RUN/distill-$NAME-2")
 fi
 
-# (5) the final torch-layout draft (config.json + model.safetensors, bf16)
+# (5) stage 3 (v2): the same answers' teacher states written once to shards (offline teacher,
+# 15 min, 3.3 GB: the target's prefill leaves the training step, ~20 % of its cost at 128
+# anchors), then STEPS3 steps streamed from them (2.9 epochs) from stage 2's draft
+if [ "$STAGES" -ge 3 ]; then
+    python -m train.teacher --target smollm2-135m --dtype float32 --data "$RUN/answers-$LIMIT2.jsonl" \
+        --draft_config "$CONFIG" --out "$RUN/teacher-$LIMIT2" --shard_size 64 --batch_size 4 --max_len 512
+    distill "$RUN/distill-$NAME-3" "$STEPS3" 128 --teacher_dir "$RUN/teacher-$LIMIT2" --init_from "$final" --seed 2
+    final=$(last_export "$RUN/distill-$NAME-3")
+fi
+
+# (6) the final torch-layout draft (config.json + model.safetensors, bf16)
 rm -rf "$RUN/$NAME.tmp" && cp -r "$final" "$RUN/$NAME.tmp"
 rm -rf "$RUN/$NAME" && mv "$RUN/$NAME.tmp" "$RUN/$NAME"
 echo "demo draft: $RUN/$NAME (from $final)"
 
-# (6) acceptance on held-out prompts: GSM8K test (60) and MT-Bench first turns (20), T=0, 7 drafts,
+# (7) acceptance on held-out prompts: GSM8K test (60) and MT-Bench first turns (20), T=0, 7 drafts,
 # beside the untrained draft. The shipped preset `smollm2-135m-dspark` is $RUN/$NAME copied to
 # dspark_jax/drafts/smollm2-135m-dspark/.
 python -m benchmarks.acceptance --drafts "$RUN/$NAME,untrained" --gsm8k 60 --mt_bench 20 --max_new_tokens 128 \

@@ -375,6 +375,18 @@ def _orbax_context():
     return ctx
 
 
+def _orbax_leaves(path: Path) -> dict[str, object]:
+    """The flat {name: array metadata} of the Orbax checkpoint in `path`/params."""
+    params_dir = path / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{path}: no Orbax checkpoint directory {PARAMS_DIR}/")
+    try:
+        with _orbax_context():
+            return _flatten(_orbax().metadata(params_dir).metadata)
+    except Exception as e:  # Orbax/tensorstore raise many types; name what failed
+        raise CheckpointError(f"{params_dir}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
+
+
 def _nest(flat: Mapping[str, object]) -> dict:
     """{"a.b.c": x} -> {"a": {"b": {"c": x}}}: the NNX path as the Orbax tree."""
     tree: dict = {}
@@ -529,14 +541,7 @@ def open_orbax_draft(path: str | Path) -> OrbaxDraft:
     cfg, raw = _read_config(path / CONFIG_FILE)
     layout_path = path / LAYOUT_FILE
     params_dir = path / PARAMS_DIR
-    if not params_dir.is_dir():
-        raise CheckpointError(f"{path}: no Orbax checkpoint directory {PARAMS_DIR}/")
-    ocp = _orbax()
-    try:
-        with _orbax_context():
-            leaves = _flatten(ocp.metadata(params_dir).metadata)
-    except Exception as e:
-        raise CheckpointError(f"{params_dir}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
+    leaves = _orbax_leaves(path)
     if layout_path.exists():
         try:
             layout = json.loads(layout_path.read_text())

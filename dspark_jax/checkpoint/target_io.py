@@ -45,13 +45,12 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint import loader as loader_lib
-from dspark_jax.checkpoint.draft_io import _flatten, _nest, _orbax, _orbax_context, _staging
+from dspark_jax.checkpoint.draft_io import PARAMS_DIR, _flatten, _nest, _orbax, _orbax_context, _orbax_leaves, _staging
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
 from dspark_jax.config import ConfigError, KimiConfig
 
 CONFIG_FILE = "config.json"
 LAYOUT_FILE = "target_layout.json"
-PARAMS_DIR = "params"
 LAYOUT_FORMAT = "dspark_jax.target_orbax"
 LAYOUT_VERSION = 1
 # As `load_kimi`: the K3 wrapper also holds the vision tower and projector, not used by the text model.
@@ -224,16 +223,7 @@ def open_orbax_target(path: str | Path) -> tuple[KimiConfig, dict[str, object]]:
         raise CheckpointError(f"{path / LAYOUT_FILE}: not valid JSON ({e})") from None
     if not isinstance(layout, dict) or layout.get("format") != LAYOUT_FORMAT or layout.get("version") != LAYOUT_VERSION:
         raise CheckpointError(f"{path / LAYOUT_FILE}: expected format {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}")
-    params_dir = path / PARAMS_DIR
-    if not params_dir.is_dir():
-        raise CheckpointError(f"{path}: no Orbax checkpoint directory {PARAMS_DIR}/")
-    ocp = _orbax()
-    try:
-        with _orbax_context():
-            leaves = _flatten(ocp.metadata(params_dir).metadata)
-    except Exception as e:  # Orbax/tensorstore raise many types; name what failed
-        raise CheckpointError(f"{params_dir}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
-    return cfg, leaves
+    return cfg, _orbax_leaves(path)
 
 
 def _leaf_problems(flat: Mapping[str, nnx.Param], leaves: Mapping[str, object], where: Path,

@@ -28,7 +28,7 @@ from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
 from dspark_jax.layers.moe import MoE
 from dspark_jax.layers.norms import RMSNorm
-from dspark_jax.models.outputs import ForwardOutput
+from dspark_jax.models.outputs import ForwardOutput, TargetLM
 
 
 class Residual(NamedTuple):
@@ -120,26 +120,13 @@ class KimiBackbone(nnx.Module):
         return self.norm(h)
 
 
-class KimiLinearModel(nnx.Module):
+class KimiLinearModel(TargetLM):
     """Kimi-Linear / Kimi-K3 causal LM. Param paths are the checkpoint names without the
     `language_model.` prefix of the K3 wrapper (`cfg.tensor_prefix`)."""
 
     def __init__(self, cfg: KimiConfig, *, dtype=None, rngs: nnx.Rngs):
         dtype = jnp.dtype(dtype or cfg.dtype)
-        self.cfg = cfg
-        self.model = KimiBackbone(cfg, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"),
-                                  dtype=dtype, rngs=rngs)
-
-    @property
-    def dtype(self):
-        return self.model.embed_tokens.weight.get_value().dtype
-
-    def logits(self, final_hidden: jax.Array) -> jax.Array:
-        if self.cfg.tie_word_embeddings:
-            return self.model.embed_tokens.attend(final_hidden)
-        return self.lm_head(final_hidden)
+        super().__init__(cfg, KimiBackbone(cfg, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs)
 
     def run_layers(self, h_BSD: jax.Array, attention: AttentionFn,
                    aux_layer_ids: Sequence[int] = ()) -> tuple[Residual, jax.Array | None]:

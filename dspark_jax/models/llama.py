@@ -26,7 +26,7 @@ from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear
 from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.rope import RotaryEmbedding
-from dspark_jax.models.outputs import ForwardOutput
+from dspark_jax.models.outputs import ForwardOutput, TargetLM
 
 
 def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -113,24 +113,11 @@ class LlamaBackbone(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
 
 
-class LlamaModel(nnx.Module):
+class LlamaModel(TargetLM):
     """HF `LlamaForCausalLM`: `model.*` + `lm_head` (absent when embeddings are tied)."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.model = LlamaBackbone(cfg, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"),
-                                  dtype=dtype, rngs=rngs)
-
-    @property
-    def dtype(self):
-        return self.model.embed_tokens.weight.get_value().dtype
-
-    def logits(self, final_hidden: jax.Array) -> jax.Array:
-        if self.cfg.tie_word_embeddings:
-            return self.model.embed_tokens.attend(final_hidden)
-        return self.lm_head(final_hidden)
+        super().__init__(cfg, LlamaBackbone(cfg, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs)
 
     def run(self, token_ids_BT: jax.Array, attention: AttentionFn,
             aux_layer_ids: Sequence[int] = ()) -> ForwardOutput:

@@ -1,10 +1,14 @@
-"""The output every target model returns for the tokens it processes (DESIGN §3.1)."""
+"""What every target model shares: the output it returns for the tokens it processes (DESIGN
+§3.1) and its vocabulary head."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
+from flax import nnx
+
+from dspark_jax.layers.linear import Linear
 
 
 class ForwardOutput(NamedTuple):
@@ -20,3 +24,24 @@ class ForwardOutput(NamedTuple):
     logits: jax.Array
     aux_hidden: jax.Array | None
     final_hidden: jax.Array
+
+
+class TargetLM(nnx.Module):
+    """A backbone at `model` (with `embed_tokens`) and the vocabulary projection: `lm_head`, or the
+    embeddings themselves when the config ties them."""
+
+    def __init__(self, cfg, backbone: nnx.Module, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = backbone
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"),
+                                  dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.get_value().dtype
+
+    def logits(self, final_hidden: jax.Array) -> jax.Array:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.attend(final_hidden)
+        return self.lm_head(final_hidden)
