@@ -59,12 +59,28 @@ class _Keys:
         raise ConfigError(f"{self.where}: {key}: {msg}")
 
 
+class _MLADims:
+    """Widths derived from the MLA fields both the target and the draft configs carry."""
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    kv_lora_rank: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Width of one MLA cache row: normalised c_kv + the (unrotated for NoPE) k_rope lane."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 # ---------------------------------------------------------------------------------------------
 # kimi_linear family (Kimi-Linear, Kimi-K3)
 
 
 @dataclass(frozen=True)
-class KimiConfig:
+class KimiConfig(_MLADims):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -119,15 +135,6 @@ class KimiConfig:
     family = "kimi_linear"
 
     # derived -----------------------------------------------------------------------------
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_latent_dim(self) -> int:
-        """Width of one MLA cache row: normalised c_kv + the (unrotated for NoPE) k_rope lane."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
     def is_mla(self, layer: int) -> bool:
         return layer in self.full_attn_layers
 
@@ -388,7 +395,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(_MLADims):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -418,14 +425,6 @@ class DraftConfig:
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     family = "dspark"
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def num_aux(self) -> int:

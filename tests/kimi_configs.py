@@ -1,8 +1,16 @@
-"""Tiny kimi_linear-family configs shared by tests (float32, seconds to run)."""
+"""Tiny kimi_linear-family configs shared by tests (float32, seconds to run), and a writer of
+models in the K3 checkpoint layout."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax import params as params_lib
+from dspark_jax.checkpoint.safetensors_io import save_arrays
 
 
 def kimi_linear_dict(**over) -> dict:
@@ -44,3 +52,36 @@ def tiny_k3_dict(quantized: bool = True, **over) -> dict:
     text.update(over)
     return dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3",
                 text_config=copy.deepcopy(text))
+
+
+def write_k3_checkpoint(model, path: Path, config: dict, drop=None, extra=None, reshape=None,
+                        retype=None) -> Path:
+    """`model` in the K3 HF layout (prefixed names, one tensor per expert, two shards + index),
+    with at most one defect of each kind: a tensor dropped, an extra one, one reshaped, retyped."""
+    prefix = model.cfg.tensor_prefix
+    arrays = {}
+    for name, p in params_lib.flat_params(model).items():
+        arr = np.asarray(p.get_value())
+        if ".experts." in name:
+            stem, leaf = name.split(".experts.")
+            arrays.update({f"{prefix}{stem}.experts.{e}.{leaf}": arr[e] for e in range(arr.shape[0])})
+        else:
+            arrays[prefix + name] = arr
+    if drop:
+        del arrays[drop]
+    if extra:
+        arrays[extra] = np.zeros(3, np.float32)
+    if reshape:
+        arrays[reshape] = np.zeros((2, 2), arrays[reshape].dtype)
+    if retype:
+        arrays[retype] = arrays[retype].astype(np.float16)
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(arrays)
+    index = {}
+    for shard, chunk in (("model-00001-of-00002.safetensors", names[: len(names) // 2]),
+                         ("model-00002-of-00002.safetensors", names[len(names) // 2:])):
+        save_arrays(path / shard, {n: arrays[n] for n in chunk})
+        index.update({n: shard for n in chunk})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

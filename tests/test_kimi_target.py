@@ -3,7 +3,6 @@ numpy references of the K3 extensions (spec A.5)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import jax
@@ -15,10 +14,10 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
-from dspark_jax.checkpoint.safetensors_io import CheckpointError, save_arrays
+from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import KimiConfig
 from dspark_jax.models.kimi import KimiLinearModel, Residual, load_kimi
-from tests.kimi_configs import kimi_linear_dict, tiny_k3_dict
+from tests.kimi_configs import kimi_linear_dict, tiny_k3_dict, write_k3_checkpoint
 
 # jitted: eager op-by-op dispatch of the MoE/KDA loops is far slower than one compile
 _forward = jax.jit(lambda m, x, aux=(): m.forward(x, aux_layer_ids=aux), static_argnums=2)
@@ -200,37 +199,8 @@ def test_attn_res_banking_matches_spec_loop():
 # checkpoints: the K3 layout (language_model. prefix, per-expert packed tensors)
 
 
-def _write_k3_checkpoint(model: KimiLinearModel, path, drop=None, extra=None, reshape=None, retype=None):
-    """Write `model` in the K3 checkpoint layout: prefixed names, experts split per expert."""
-    cfg = model.cfg
-    arrays = {}
-    for name, p in params_lib.flat_params(model).items():
-        arr = np.asarray(p.get_value())
-        if ".experts." in name:
-            stem, leaf = name.split(".experts.")
-            for e in range(arr.shape[0]):
-                arrays[f"{cfg.tensor_prefix}{stem}.experts.{e}.{leaf}"] = arr[e]
-        else:
-            arrays[cfg.tensor_prefix + name] = arr
-    if drop:
-        del arrays[drop]
-    if extra:
-        arrays[extra] = np.zeros(3, np.float32)
-    if reshape:
-        arrays[reshape] = np.zeros((2, 2), arrays[reshape].dtype)
-    if retype:
-        arrays[retype] = arrays[retype].astype(np.float16)
-    path.mkdir(parents=True, exist_ok=True)
-    names = sorted(arrays)
-    half = len(names) // 2
-    index = {}
-    for shard, chunk in (("model-00001-of-00002.safetensors", names[:half]),
-                         ("model-00002-of-00002.safetensors", names[half:])):
-        save_arrays(path / shard, {n: arrays[n] for n in chunk})
-        index.update({n: shard for n in chunk})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    (path / "config.json").write_text(json.dumps(tiny_k3_dict(cfg.quantization is not None)))
-    return path
+def _write_k3_checkpoint(model: KimiLinearModel, path, **defect):
+    return write_k3_checkpoint(model, path, tiny_k3_dict(model.cfg.quantization is not None), **defect)
 
 
 def test_k3_checkpoint_round_trip(tmp_path):

@@ -19,11 +19,11 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
 from dspark_jax.checkpoint import target_io
-from dspark_jax.checkpoint.safetensors_io import CheckpointError, save_arrays
+from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import KimiConfig
 from dspark_jax.models.kimi import KimiLinearModel, load_kimi
 from tests.gen_utils import randomize
-from tests.kimi_configs import tiny_k3_dict
+from tests.kimi_configs import tiny_k3_dict, write_k3_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 Q_PROJ = "language_model.model.layers.1.self_attn.q_proj.weight"
@@ -39,36 +39,8 @@ def _config() -> dict:
     return d
 
 
-def _write_hf(path: Path, model: KimiLinearModel, config: dict, drop=None, extra=None, reshape=None,
-              retype=None) -> Path:
-    """`model` in the K3 HF layout (prefixed names, one tensor per expert, two shards + index),
-    with one optional defect."""
-    prefix = model.cfg.tensor_prefix
-    arrays = {}
-    for name, p in params_lib.flat_params(model).items():
-        arr = np.asarray(p.get_value())
-        if ".experts." in name:
-            stem, leaf = name.split(".experts.")
-            arrays.update({f"{prefix}{stem}.experts.{e}.{leaf}": arr[e] for e in range(arr.shape[0])})
-        else:
-            arrays[prefix + name] = arr
-    if drop:
-        del arrays[drop]
-    if extra:
-        arrays[extra] = np.zeros(3, np.float32)
-    if reshape:
-        arrays[reshape] = np.zeros((2, 2), arrays[reshape].dtype)
-    if retype:
-        arrays[retype] = arrays[retype].astype(np.float16)
-    path.mkdir(parents=True)
-    names = sorted(arrays)
-    index = {}
-    for shard, chunk in (("model-00001-of-00002.safetensors", names[: len(names) // 2]),
-                         ("model-00002-of-00002.safetensors", names[len(names) // 2:])):
-        save_arrays(path / shard, {n: arrays[n] for n in chunk})
-        index.update({n: shard for n in chunk})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    (path / "config.json").write_text(json.dumps(config))
+def _write_hf(path: Path, model: KimiLinearModel, config: dict, **defect) -> Path:
+    write_k3_checkpoint(model, path, config, **defect)
     (path / "tokenizer_config.json").write_text('{"model_max_length": 64}')
     return path
 

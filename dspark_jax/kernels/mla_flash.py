@@ -106,6 +106,26 @@ def _blk_visible(seg, kstart, block_k, block_size):
     return kseg[None, :] == seg[:, None]
 
 
+def _visit_keys(step, carry, lim, seg_ref, lay: Layout):
+    """Fold `step(kstart, visible, carry)` over the key tiles one q tile can see: the context
+    tiles up to its furthest limit, then (with blocks) the block tiles its rows' blocks touch."""
+    bq, bk = lay.block_q, lay.block_k
+
+    def ctx_body(j, carry):
+        return step(j * bk, _ctx_visible(lim, j * bk, bk), carry)
+
+    carry = lax.fori_loop(0, jnp.minimum(cdiv(jnp.max(lim), bk), lay.ctx_tiles), ctx_body, carry)
+    if lay.block_size:
+        seg = seg_ref[...]
+
+        def blk_body(j, carry):
+            return step(lay.ctx_pad + j * bk, _blk_visible(seg, j * bk, bk, lay.block_size), carry)
+
+        lo, hi = lay.block_tile_range(pl.program_id(2) * bq)
+        carry = lax.fori_loop(lo, hi, blk_body, carry)
+    return carry
+
+
 # ---------------------------------------------------------------------------------------------
 # forward
 
@@ -129,21 +149,9 @@ def _fwd_kernel(lim_ref, seg_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, 
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
         return alpha[:, None] * acc + mm(p.astype(dtype), v), m_new, l_new
 
-    def ctx_body(j, carry):
-        return step(j * bk, _ctx_visible(lim, j * bk, bk), carry)
-
     carry = (jnp.zeros((bq, v_dim), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    carry = lax.fori_loop(0, jnp.minimum(cdiv(jnp.max(lim), bk), lay.ctx_tiles), ctx_body, carry)
-    if lay.block_size:
-        seg = seg_ref[...]
-
-        def blk_body(j, carry):
-            return step(lay.ctx_pad + j * bk, _blk_visible(seg, j * bk, bk, lay.block_size), carry)
-
-        lo, hi = lay.block_tile_range(pl.program_id(2) * bq)
-        carry = lax.fori_loop(lo, hi, blk_body, carry)
-    acc, m, l = carry
+    acc, m, l = _visit_keys(step, carry, lim, seg_ref, lay)
     seen = l > 0
     o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _EMPTY_LSE)
@@ -191,7 +199,7 @@ def flash_forward(lim_BQ, seg_BQ, qn, qr, kn, kr, v, *, lay: Layout, scale: floa
 
 def _bwd_dq_kernel(lim_ref, seg_ref, qn_ref, qr_ref, do_ref, lse_ref, delta_ref, kn_ref, kr_ref, v_ref,
                    dqn_ref, dqr_ref, *, lay: Layout, scale: float):
-    bq, bk = lay.block_q, lay.block_k
+    bk = lay.block_k
     qn, qr, do = qn_ref[...], qr_ref[...], do_ref[...]
     lse, delta, lim = lse_ref[...], delta_ref[...], lim_ref[...]
     dtype = qn.dtype
@@ -204,20 +212,8 @@ def _bwd_dq_kernel(lim_ref, seg_ref, qn_ref, qr_ref, do_ref, lse_ref, delta_ref,
         ds = (p * (mm_nt(do, v) - delta[:, None])).astype(dtype)
         return dqn + mm(ds, kn), dqr + mm(ds, kr)
 
-    def ctx_body(j, carry):
-        return step(j * bk, _ctx_visible(lim, j * bk, bk), carry)
-
     carry = (jnp.zeros(qn.shape, jnp.float32), jnp.zeros(qr.shape, jnp.float32))
-    carry = lax.fori_loop(0, jnp.minimum(cdiv(jnp.max(lim), bk), lay.ctx_tiles), ctx_body, carry)
-    if lay.block_size:
-        seg = seg_ref[...]
-
-        def blk_body(j, carry):
-            return step(lay.ctx_pad + j * bk, _blk_visible(seg, j * bk, bk, lay.block_size), carry)
-
-        lo, hi = lay.block_tile_range(pl.program_id(2) * bq)
-        carry = lax.fori_loop(lo, hi, blk_body, carry)
-    dqn, dqr = carry
+    dqn, dqr = _visit_keys(step, carry, lim, seg_ref, lay)
     dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 
