@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_speed                      # SmolLM2 + demo draft (or a random one)
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
+    python -m benchmarks.decode_speed --steps_only --random_weights --model DIR --batch_sizes 1,8,32
 
 Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
@@ -9,6 +10,11 @@ tok/fwd (a speculative step's cost over a one-token step's: speculation wins abo
 `--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
 t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. CPU
 numbers are only meaningful as ratios; absolute times only from a GPU.
+
+`--steps_only` times just the three steps (no generation, no prompts, no tokenizer) and prints
+them in ms; with `--random_weights` the target is built from --model's config.json alone with
+random weights (what a step costs does not depend on the values), so a machine without the
+checkpoint can measure it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
                            "param dtype (XLA:CPU runs bf16 matmuls slower than f32)")
 _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
+_REPS = flags.DEFINE_integer("step_reps", 5, "timed repetitions of each step (after a compile call)")
+_STEPS_ONLY = flags.DEFINE_bool("steps_only", False, "only time the steps (block pass, verify, one-token step)")
+_RANDOM = flags.DEFINE_bool("random_weights", False,
+                            "target from --model's config.json with random weights (with --steps_only)")
 
 
 def _timed(fn):
@@ -47,17 +57,29 @@ def main(argv):
     from dspark_jax.generate import engine_for
     from dspark_jax.serving.models import load_draft_spec
 
-    target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
+    if _RANDOM.value and not _STEPS_ONLY.value:
+        raise app.UsageError("--random_weights times steps only: add --steps_only")
+    dtype = jnp.dtype(_DTYPE.value)
+    target = _random_target(_MODEL.value, dtype) if _RANDOM.value else load_target(_MODEL.value, dtype=dtype)
     draft, draft_name = load_draft_spec(_DRAFT.value, target), _DRAFT.value
-    items = load_gsm8k(limit=_N.value)
-    prompts = [it.conversation() for it in items]
+    if draft is None:
+        raise app.UsageError("--draft_model none: there is no speculative step to time")
+    prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
         eng = engine_for(target, draft, _T.value, 0.0, 1.0, "auto", 16)
-        share, break_even, cost = _step_costs(eng, b)
+        costs = _step_costs(eng, b, reps=_REPS.value)
+        share, break_even, cost = costs["draft_share"], costs["break_even"], costs["verify_cost"]
         row["draft_share_of_step"] = share
         row["break_even_tok_per_fwd"] = break_even
+        row.update({k: costs[k] for k in ("draft_block_ms", "verify_ms", "one_token_step_ms")})
+        if _STEPS_ONLY.value:
+            results.append(row)
+            print(f"batch {b}: draft block pass {row['draft_block_ms']:.2f} ms | verify of {_T.value + 1} tokens "
+                  f"{row['verify_ms']:.2f} ms | one-token step {row['one_token_step_ms']:.2f} ms | draft share "
+                  f"of a step {share:.1%} | break-even tok/fwd {break_even:.2f}", flush=True)
+            continue
         variants = [("plain", None, False), ("speculative", draft, False)]
         if _SCHED.value:
             variants.append(("scheduled", draft, cost))
@@ -103,8 +125,9 @@ def _merge(a, b):
 def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
     """Timed steps on a fresh cache, `context` tokens deep, bounded like the batcher's (span):
     the draft's block pass alone, a verify of T+1 tokens and a one-token step (both with given
-    drafts, so without the block pass). Returns (the draft's share of a speculative step, the
-    tok/fwd at which speculation breaks even with one-token steps, the fitted VerifyCost)."""
+    drafts, so without the block pass). Returns the draft's share of a speculative step, the
+    tok/fwd at which speculation breaks even with one-token steps, the fitted VerifyCost, and the
+    three times in ms."""
     import jax
     import jax.numpy as jnp
 
@@ -136,7 +159,26 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
     t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
     per_token = max(t_full - t_one, 0.0) / (b * t)
     fixed = max(t_one - per_token * b, 1e-9)
-    return t_draft / (t_draft + t_full), (t_draft + t_full) / t_one, VerifyCost(fixed, per_token)
+    return {"draft_share": t_draft / (t_draft + t_full), "break_even": (t_draft + t_full) / t_one,
+            "verify_cost": VerifyCost(fixed, per_token), "draft_block_ms": 1e3 * t_draft,
+            "verify_ms": 1e3 * t_full, "one_token_step_ms": 1e3 * t_one}
+
+
+def _random_target(path: str, dtype):
+    """A target of the architecture in `path`/config.json with random weights, placed as
+    `load_target` places a checkpoint's (one device)."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax import sharding
+    from dspark_jax.config import LlamaConfig, load_config
+    from dspark_jax.models.kimi import KimiLinearModel
+    from dspark_jax.models.llama import LlamaModel
+
+    cfg = load_config(Path(path) / "config.json")
+    cls = LlamaModel if isinstance(cfg, LlamaConfig) else KimiLinearModel
+    mesh = sharding.make_mesh(devices=jax.local_devices()[:1])
+    return sharding.create_sharded(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh)
 
 
 if __name__ == "__main__":
