@@ -60,8 +60,10 @@ def main(argv):
     if _RANDOM.value and not _STEPS_ONLY.value:
         raise app.UsageError("--random_weights times steps only: add --steps_only")
     dtype = jnp.dtype(_DTYPE.value)
+    t0 = time.perf_counter()
     target = _random_target(_MODEL.value, dtype) if _RANDOM.value else load_target(_MODEL.value, dtype=dtype)
     draft, draft_name = load_draft_spec(_DRAFT.value, target), _DRAFT.value
+    print(f"target and draft ready in {time.perf_counter() - t0:.1f} s", flush=True)
     if draft is None:
         raise app.UsageError("--draft_model none: there is no speculative step to time")
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
@@ -153,7 +155,8 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
         jax.block_until_ready(out)
 
     def timed(fn):
-        fn()                                   # compile
+        _, first = _timed(fn)                  # compile
+        print(f"  batch {b}: compiled a step in {first:.1f} s", flush=True)
         return _timed(lambda: [fn() for _ in range(reps)])[1] / reps
 
     t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
@@ -165,11 +168,14 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
 
 
 def _random_target(path: str, dtype):
-    """A target of the architecture in `path`/config.json with random weights, placed as
-    `load_target` places a checkpoint's (one device)."""
+    """A target of the architecture in `path`/config.json with random weights, drawn on the host
+    (jitting the initialisers is a very slow compile on a GPU) and placed as `load_target` places
+    a checkpoint's (one device)."""
     import jax
+    import numpy as np
     from flax import nnx
 
+    from dspark_jax import params as params_lib
     from dspark_jax import sharding
     from dspark_jax.config import LlamaConfig, load_config
     from dspark_jax.models.kimi import KimiLinearModel
@@ -177,9 +183,11 @@ def _random_target(path: str, dtype):
 
     cfg = load_config(Path(path) / "config.json")
     cls = LlamaModel if isinstance(cfg, LlamaConfig) else KimiLinearModel
-    mesh = sharding.make_mesh(devices=jax.local_devices()[:1])
-    return sharding.create_sharded(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh)
-
+    graphdef, state = nnx.split(params_lib.abstract(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    shardings = sharding.param_shardings(state, sharding.make_mesh(devices=jax.local_devices()[:1]))
+    rng = np.random.default_rng(0)
+    draw = lambda a, s: jax.device_put((0.02 * rng.standard_normal(a.shape, np.float32)).astype(a.dtype), s)
+    return nnx.merge(graphdef, jax.tree.map(draw, state, shardings))
 
 if __name__ == "__main__":
     app.run(main)

@@ -170,3 +170,26 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
     changed = [bench.BenchItem(items[0].id, ("another prompt",))]
     with pytest.raises(ValueError, match=f"item {items[0].id}'s prompt differs"):
         bench.run_benchmark(runner, "aime", changed, progress=False, journal=bench.Journal(path, settings))
+
+
+def test_decode_speed_times_steps_from_a_config_alone(pair_dirs, tmp_path):
+    """`benchmarks.decode_speed --steps_only --random_weights` (the GPU check's step timing) needs
+    only the target's config.json: no weights, tokenizer or prompts."""
+    target_dir, draft_dir = pair_dirs
+    config_only = tmp_path / "target"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((target_dir / "config.json").read_bytes())
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_speed", "--steps_only", "--random_weights",
+                           "--model", str(config_only), "--draft_model", str(draft_dir), "--batch_sizes", "1,2",
+                           "--step_reps", "2", "--output_json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        block, verify, one = r["draft_block_ms"], r["verify_ms"], r["one_token_step_ms"]
+        assert min(block, verify, one) > 0
+        assert r["break_even_tok_per_fwd"] == pytest.approx((block + verify) / one)
+        assert r["draft_share_of_step"] == pytest.approx(block / (block + verify))
+    assert "break-even tok/fwd" in proc.stdout
