@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode_speed                      # SmolLM2 + demo draft (or a random one)
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
-    python -m benchmarks.decode_speed --steps_only --random_weights --model DIR --batch_sizes 1,8,32
+    python -m benchmarks.decode_speed --steps_only --random_weights --model dspark_jax/configs/smollm2-135m.json
 
 Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
@@ -12,9 +12,10 @@ t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the 
 numbers are only meaningful as ratios; absolute times only from a GPU.
 
 `--steps_only` times just the three steps (no generation, no prompts, no tokenizer) and prints
-them in ms; with `--random_weights` the target is built from --model's config.json alone with
-random weights (what a step costs does not depend on the values), so a machine without the
-checkpoint can measure it.
+them in ms; with `--random_weights` the target is built from --model's config alone (a
+config.json or its directory, e.g. dspark_jax/configs/smollm2-135m.json) with random weights
+(what a step costs does not depend on the values), so a machine without the checkpoint can
+measure it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confi
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _REPS = flags.DEFINE_integer("step_reps", 5, "timed repetitions of each step (after a compile call)")
 _STEPS_ONLY = flags.DEFINE_bool("steps_only", False, "only time the steps (block pass, verify, one-token step)")
-_RANDOM = flags.DEFINE_bool("random_weights", False,
-                            "target from --model's config.json with random weights (with --steps_only)")
+_RANDOM = flags.DEFINE_bool("random_weights", False, "target from --model's config (a config.json or its "
+                            "directory) with random weights (with --steps_only)")
 
 
 def _timed(fn):
@@ -168,7 +169,7 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
 
 
 def _random_target(path: str, dtype):
-    """A target of the architecture in `path`/config.json with random weights, drawn on the host
+    """A target of the architecture in `path` (a config.json or its directory) with random weights, drawn on the host
     (jitting the initialisers is a very slow compile on a GPU) and placed as `load_target` places
     a checkpoint's (one device)."""
     import jax
@@ -181,7 +182,7 @@ def _random_target(path: str, dtype):
     from dspark_jax.models.kimi import KimiLinearModel
     from dspark_jax.models.llama import LlamaModel
 
-    cfg = load_config(Path(path) / "config.json")
+    cfg = load_config(Path(path) / "config.json" if Path(path).is_dir() else path)
     cls = LlamaModel if isinstance(cfg, LlamaConfig) else KimiLinearModel
     graphdef, state = nnx.split(params_lib.abstract(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     shardings = sharding.param_shardings(state, sharding.make_mesh(devices=jax.local_devices()[:1]))

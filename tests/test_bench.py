@@ -174,11 +174,10 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
 
 def test_decode_speed_times_steps_from_a_config_alone(pair_dirs, tmp_path):
     """`benchmarks.decode_speed --steps_only --random_weights` (the GPU check's step timing) needs
-    only the target's config.json: no weights, tokenizer or prompts."""
+    only the target's config file: no weights, tokenizer or prompts."""
     target_dir, draft_dir = pair_dirs
-    config_only = tmp_path / "target"
-    config_only.mkdir()
-    (config_only / "config.json").write_bytes((target_dir / "config.json").read_bytes())
+    config_only = tmp_path / "target.json"
+    config_only.write_bytes((target_dir / "config.json").read_bytes())
     out = tmp_path / "steps.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_speed", "--steps_only", "--random_weights",
                            "--model", str(config_only), "--draft_model", str(draft_dir), "--batch_sizes", "1,2",

@@ -52,3 +52,13 @@ def test_capital_of_france(pair):
     ours, _, _ = pair
     res = generate(ours, None, ["What is the capital of France?"], max_new_tokens=16)
     assert "Paris" in res.outputs[0].text
+
+
+def test_shipped_config_is_the_conversions(smollm2_dir):
+    """dspark_jax/configs/smollm2-135m.json (what GPU step timings build a random target from)
+    is the config the GGUF conversion writes."""
+    import json
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parent.parent / "dspark_jax/configs/smollm2-135m.json"
+    assert json.loads(shipped.read_text()) == json.loads((Path(smollm2_dir) / "config.json").read_text())
