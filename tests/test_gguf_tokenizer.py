@@ -214,7 +214,7 @@ def test_smollm2_checkpoint_is_sane(smollm2_dir: Path) -> None:
 
 def test_smollm2_preset_resolves_without_reconverting(smollm2_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("DSPARK_CACHE", str(smollm2_dir.parent))
-    monkeypatch.setattr(presets, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(presets, "_build_smollm2", lambda *a, **k: pytest.fail("converted twice"))
     assert presets.resolve_model_path("smollm2-135m") == smollm2_dir
     assert presets.resolve_model_path(smollm2_dir) == smollm2_dir
 
