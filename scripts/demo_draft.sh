@@ -73,7 +73,7 @@ fi
 
 # (5) stage 3 (v2): the same answers' teacher states written once to shards (offline teacher,
 # 15 min, 3.3 GB: the target's prefill leaves the training step, ~20 % of its cost at 128
-# anchors), then STEPS3 steps streamed from them (2.9 epochs) from stage 2's draft
+# anchors: 38-41 s/step alone), then STEPS3 steps streamed from them (2.9 epochs) from stage 2's draft
 if [ "$STAGES" -ge 3 ]; then
     python -m train.teacher --target smollm2-135m --dtype float32 --data "$RUN/answers-$LIMIT2.jsonl" \
         --draft_config "$CONFIG" --out "$RUN/teacher-$LIMIT2" --shard_size 64 --batch_size 4 --max_len 512
