@@ -169,26 +169,29 @@ def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
 
 
 def _random_target(path: str, dtype):
-    """A target of the architecture in `path` (a config.json or its directory) with random weights, drawn on the host
-    (jitting the initialisers is a very slow compile on a GPU) and placed as `load_target` places
-    a checkpoint's (one device)."""
+    """A target of the architecture in `path` (a config.json or its directory) with random
+    weights, drawn on the host (jitting the initialisers is a very slow compile on a GPU) and
+    placed as `load_target` places a checkpoint's (one device)."""
     import jax
     import numpy as np
     from flax import nnx
 
     from dspark_jax import params as params_lib
     from dspark_jax import sharding
-    from dspark_jax.config import LlamaConfig, load_config
+    from dspark_jax.config import DraftConfig, LlamaConfig, load_config
     from dspark_jax.models.kimi import KimiLinearModel
     from dspark_jax.models.llama import LlamaModel
 
     cfg = load_config(Path(path) / "config.json" if Path(path).is_dir() else path)
+    if isinstance(cfg, DraftConfig):
+        raise app.UsageError(f"--model {path}: a DSpark draft config, not a target's")
     cls = LlamaModel if isinstance(cfg, LlamaConfig) else KimiLinearModel
     graphdef, state = nnx.split(params_lib.abstract(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     shardings = sharding.param_shardings(state, sharding.make_mesh(devices=jax.local_devices()[:1]))
     rng = np.random.default_rng(0)
     draw = lambda a, s: jax.device_put((0.02 * rng.standard_normal(a.shape, np.float32)).astype(a.dtype), s)
     return nnx.merge(graphdef, jax.tree.map(draw, state, shardings))
+
 
 if __name__ == "__main__":
     app.run(main)

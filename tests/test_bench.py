@@ -192,3 +192,8 @@ def test_decode_speed_times_steps_from_a_config_alone(pair_dirs, tmp_path):
         assert r["break_even_tok_per_fwd"] == pytest.approx((block + verify) / one)
         assert r["draft_share_of_step"] == pytest.approx(block / (block + verify))
     assert "break-even tok/fwd" in proc.stdout
+    # a draft's config is refused by name, before anything is built
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.decode_speed", "--steps_only", "--random_weights",
+                          "--model", str(draft_dir / "config.json")],
+                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), timeout=600)
+    assert bad.returncode != 0 and "a DSpark draft config, not a target's" in bad.stderr

@@ -45,7 +45,8 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint import loader as loader_lib
-from dspark_jax.checkpoint.draft_io import PARAMS_DIR, _flatten, _nest, _orbax, _orbax_context, _orbax_leaves, _staging
+from dspark_jax.checkpoint.draft_io import (PARAMS_DIR, _flatten, _nest, _orbax, _orbax_context, _orbax_leaves,
+                                            _staging)
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
 from dspark_jax.config import ConfigError, KimiConfig
 
