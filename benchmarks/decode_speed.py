@@ -26,6 +26,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from benchmarks.steps_timing import make_engine, random_target, step_costs
+
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
 _DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark",
                              "draft directory or preset, or 'untrained[:CONFIG.json]' for a random draft")
@@ -55,14 +57,18 @@ def main(argv):
 
     from dspark_jax import generate, load_target
     from dspark_jax.data.benchmarks import load_gsm8k
-    from dspark_jax.generate import engine_for
     from dspark_jax.serving.models import load_draft_spec
 
     if _RANDOM.value and not _STEPS_ONLY.value:
         raise app.UsageError("--random_weights times steps only: add --steps_only")
     dtype = jnp.dtype(_DTYPE.value)
     t0 = time.perf_counter()
-    target = _random_target(_MODEL.value, dtype) if _RANDOM.value else load_target(_MODEL.value, dtype=dtype)
+    try:
+        target = random_target(_MODEL.value, dtype) if _RANDOM.value else load_target(_MODEL.value, dtype=dtype)
+    except ValueError as e:
+        if not _RANDOM.value:
+            raise
+        raise app.UsageError(f"--model {e}") from None
     draft, draft_name = load_draft_spec(_DRAFT.value, target), _DRAFT.value
     print(f"target and draft ready in {time.perf_counter() - t0:.1f} s", flush=True)
     if draft is None:
@@ -71,8 +77,8 @@ def main(argv):
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
-        eng = engine_for(target, draft, _T.value, 0.0, 1.0, "auto", 16)
-        costs = _step_costs(eng, b, reps=_REPS.value)
+        eng = make_engine(target, draft, _T.value)
+        costs = step_costs(eng, b, reps=_REPS.value)
         share, break_even, cost = costs["draft_share"], costs["break_even"], costs["verify_cost"]
         row["draft_share_of_step"] = share
         row["break_even_tok_per_fwd"] = break_even
@@ -123,74 +129,6 @@ def _merge(a, b):
     n = out["num_verify_steps"]
     out["average_tokens_per_forward"] = 1 + out["total_accepted_tokens"] / n if n else 1.0
     return out
-
-
-def _step_costs(eng, b: int, reps: int = 5, context: int = 100):
-    """Timed steps on a fresh cache, `context` tokens deep, bounded like the batcher's (span):
-    the draft's block pass alone, a verify of T+1 tokens and a one-token step (both with given
-    drafts, so without the block pass). Returns the draft's share of a speculative step, the
-    tok/fwd at which speculation breaks even with one-token steps, the fitted VerifyCost, and the
-    three times in ms."""
-    import jax
-    import jax.numpy as jnp
-
-    from dspark_jax.generate import pow2
-    from dspark_jax.schedule import VerifyCost
-
-    t, max_len = eng.t, 512
-    span = max(64, pow2(context + t + 1))
-    caches = eng.new_caches(b, max_len)
-    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), context, jnp.int32)
-    active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
-
-    def propose():
-        nonlocal caches
-        *out, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key, span=span)
-        jax.block_until_ready(out)
-
-    def verify(width):
-        nonlocal caches
-        given = jnp.ones((b, width), jnp.int32)
-        *out, caches = eng._step(eng.t_state, eng.d_state, x0, given, lens, active, jnp.int32(max_len), caches,
-                                 key, span=span)
-        jax.block_until_ready(out)
-
-    def timed(fn):
-        _, first = _timed(fn)                  # compile
-        print(f"  batch {b}: compiled a step in {first:.1f} s", flush=True)
-        return _timed(lambda: [fn() for _ in range(reps)])[1] / reps
-
-    t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
-    per_token = max(t_full - t_one, 0.0) / (b * t)
-    fixed = max(t_one - per_token * b, 1e-9)
-    return {"draft_share": t_draft / (t_draft + t_full), "break_even": (t_draft + t_full) / t_one,
-            "verify_cost": VerifyCost(fixed, per_token), "draft_block_ms": 1e3 * t_draft,
-            "verify_ms": 1e3 * t_full, "one_token_step_ms": 1e3 * t_one}
-
-
-def _random_target(path: str, dtype):
-    """A target of the architecture in `path` (a config.json or its directory) with random
-    weights, drawn on the host (jitting the initialisers is a very slow compile on a GPU) and
-    placed as `load_target` places a checkpoint's (one device)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from dspark_jax import params as params_lib
-    from dspark_jax import sharding
-    from dspark_jax.config import DraftConfig, LlamaConfig, load_config
-    from dspark_jax.models.kimi import KimiLinearModel
-    from dspark_jax.models.llama import LlamaModel
-
-    cfg = load_config(Path(path) / "config.json" if Path(path).is_dir() else path)
-    if isinstance(cfg, DraftConfig):
-        raise app.UsageError(f"--model {path}: a DSpark draft config, not a target's")
-    cls = LlamaModel if isinstance(cfg, LlamaConfig) else KimiLinearModel
-    graphdef, state = nnx.split(params_lib.abstract(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
-    shardings = sharding.param_shardings(state, sharding.make_mesh(devices=jax.local_devices()[:1]))
-    rng = np.random.default_rng(0)
-    draw = lambda a, s: jax.device_put((0.02 * rng.standard_normal(a.shape, np.float32)).astype(a.dtype), s)
-    return nnx.merge(graphdef, jax.tree.map(draw, state, shardings))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_kernel_check              # defaults
     python -m benchmarks.gpu_kernel_check --tune       # also time a few other tile settings
     python -m benchmarks.gpu_kernel_check --only mla_paged,kda
+    python -m benchmarks.gpu_kernel_check --crossover --only none   # only the paged-MLA crossover sweep
 
 On a GPU (CUDA or ROCm) every kernel is compiled with the Triton lowering, compared with its
 reference on K3-like shapes (MLA: 64 / 96 heads, 512 + 64 latent, pages of 128, bf16 and fp8
@@ -11,15 +12,23 @@ the latent form training calls) and timed; one line per shape with both times an
 reference ratio. Without a GPU it says so, lowers every kernel to Triton IR for CUDA and ROCm at
 those shapes (no GPU needed for that step), and compares kernels with references in interpret mode
 on tiny shapes. Exit status 1 on any mismatch or error.
+
+`--crossover` also sweeps the paged MLA decode kernel against its reference over spans (keys per
+sequence: 64k down to 1k on a GPU, for verify and draft-block shapes, bf16 and fp8 caches) and
+reports the crossover: the smallest measured span from which the kernel is never slower, i.e. the
+value for `mla_paged.AUTO_MIN_KEYS` / $DSPARK_MLA_PAGED_MIN_KEYS, and whether `auto` with the
+current value is ever slower than the reference. `--output_json FILE` writes every result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -27,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from benchmarks.crossover import auto_choice, crossover_report
 from dspark_jax.cache import FP8
+from dspark_jax.kernels import dispatch
 from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_reference, multi_anchor_kernel,
                                              multi_anchor_reference)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
@@ -37,7 +48,18 @@ from dspark_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2_norma
 
 _ITERS = flags.DEFINE_integer("iters", 10, "timed calls per function (after a compile/warm-up call)")
 _TUNE = flags.DEFINE_boolean("tune", False, "also time alternative tile settings of each kernel")
-_ONLY = flags.DEFINE_list("only", [], "run only these groups: mla_paged, mla_prefill, kda, block_sparse")
+_ONLY = flags.DEFINE_list("only", [], "run only these groups: mla_paged, mla_prefill, kda, block_sparse "
+                          "(`none`: no group, e.g. with --crossover)")
+_MATCH = flags.DEFINE_string("match", "", "run only the cases whose name contains this string")
+_LOWER = flags.DEFINE_boolean("lower", True, "without a GPU: also lower every kernel to Triton IR at K3 shapes")
+_CROSSOVER = flags.DEFINE_boolean("crossover", False, "also sweep the paged MLA kernel against its reference "
+                                  "over spans and report the crossover span for `auto`")
+_SPANS = flags.DEFINE_list("crossover_spans", [], "spans (keys per sequence) to sweep; default 65536 down to "
+                           "1024 on a GPU, 256 down to 64 without one")
+_FULL = flags.DEFINE_boolean("crossover_full", False, "sweep every span (default: stop below the largest "
+                             "span at which the kernel lost for some shape: the crossover is above it)")
+_JSON = flags.DEFINE_string("output_json", None, "write every result here (JSON)")
+_TINY = flags.DEFINE_boolean("tiny", False, "tiny shapes in interpret mode even on a GPU (tests)")
 
 
 @dataclasses.dataclass
@@ -236,36 +258,47 @@ def _error(got, want) -> float:
     return max(errs)
 
 
-def run_case(case: Case, iters: int, tune: bool, timing: bool) -> bool:
+def run_case(case: Case, iters: int, tune: bool, timing: bool) -> tuple[bool, dict]:
+    """Compare (and time) one case; prints one line. Returns (ok, a JSON-able record)."""
+    rec = {"group": case.group, "name": case.name, "tol": case.tol}
     try:
         want, _, t_ref = _timed(case.reference, case.args, iters if timing else 0)
         got, t_first, t_kernel = _timed(case.kernel, case.args, iters if timing else 0)
-    except Exception:   # a kernel that does not compile / run is a failure to report, not a crash
+    except Exception as e:   # a kernel that does not compile / run is a failure to report, not a crash
         print(f"[FAIL] {case.group:12s} {case.name}: error\n{traceback.format_exc()}", flush=True)
-        return False
+        return False, rec | {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                             if str(e) else type(e).__name__}
     err = _error(got, want)
     ok = err <= case.tol
+    rec |= {"ok": ok, "err": err}
     line = f"[{'ok' if ok else 'FAIL'}] {case.group:12s} {case.name:42s} err {err:.2e} (tol {case.tol:.0e})"
     if timing:
+        rec |= {"kernel_ms": t_kernel * 1e3, "reference_ms": t_ref * 1e3, "ratio": t_kernel / t_ref,
+                "first_call_s": t_first}
         line += (f"  kernel {t_kernel * 1e3:9.3f} ms  reference {t_ref * 1e3:9.3f} ms  "
                  f"ratio {t_kernel / t_ref:6.3f}  (first call {t_first:.1f} s)")
     print(line, flush=True)
     if tune and timing:
+        rec["tune"] = {}
         for label, fn in case.tune.items():
             try:
                 out, _, t = _timed(fn, case.args, iters)
+                rec["tune"][label] = {"kernel_ms": t * 1e3, "ratio": t / t_ref, "err": _error(out, want)}
                 print(f"       tune {label:18s} err {_error(out, want):.2e}  kernel {t * 1e3:9.3f} ms  "
                       f"ratio {t / t_ref:6.3f}", flush=True)
             except Exception as e:   # an alternative tiling may exceed the chip's resources
+                rec["tune"][label] = {"error": f"{type(e).__name__}"}
                 print(f"       tune {label:18s} error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    return ok
+    return ok, rec
 
 
-def lower_for_gpu(groups) -> bool:
+def lower_for_gpu(groups, match: str = "") -> bool:
     """Lower every kernel at K3 shapes to Triton IR for CUDA and ROCm (no GPU needed)."""
     ok = True
     for group in groups:
         for case in GROUPS[group](tiny=False, interpret=False):
+            if match not in case.name:
+                continue
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.args)
             for platform in ("cuda", "rocm"):
                 try:
@@ -278,27 +311,146 @@ def lower_for_gpu(groups) -> bool:
     return ok
 
 
+# ---------------------------------------------------------------------------------------------
+# the paged MLA crossover: from which span (keys per sequence) is the kernel faster than XLA's
+# fusion of its reference? `auto` dispatch runs the kernel from mla_paged.AUTO_MIN_KEYS keys on.
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+    label: str
+    batch: int
+    rows: int                 # query rows per sequence: T+1 = 8 for verify, T = 7 for the draft block
+    heads: int
+    cache: object             # pool dtype
+    causal: bool
+
+
+# K3 (96 heads; 12 per device at TP 8) and its draft (64 heads), pages of 128, 512 + 64 latent
+CROSSOVER_SHAPES = (PagedShape("verify B1 N96 bf16", 1, 8, 96, jnp.bfloat16, True),
+                    PagedShape("verify B8 N96 fp8", 8, 8, 96, FP8, True),
+                    PagedShape("verify B1 N12 fp8", 1, 8, 12, FP8, True),
+                    PagedShape("block B4 N64 bf16", 4, 7, 64, jnp.bfloat16, False))
+CROSSOVER_SPANS = (65536, 32768, 16384, 8192, 4096, 2048, 1024)
+TINY_SHAPES = (PagedShape("verify B2 N2 fp8", 2, 8, 2, FP8, True),
+               PagedShape("block B2 N2 bf16", 2, 7, 2, jnp.bfloat16, False))
+TINY_SPANS = (256, 128, 64)
+
+
+def paged_args(shape: PagedShape, span: int, *, tiny: bool, seed: int = 0) -> tuple:
+    """Inputs for one sweep point: `span` keys per sequence (the block table's pages x page size,
+    as a step sees them), sequences ragged inside the span bucket (generate() picks the smallest
+    power-of-two span >= length + T + 1, so lengths lie in (span/2, span - T - 1])."""
+    c, r, page = (32, 16, 16) if tiny else (512, 64, 128)
+    rng = np.random.default_rng(seed)
+    b, t = shape.batch, shape.rows
+    per_seq = span // page
+    num_pages = b * per_seq + 1
+    table = jnp.asarray(rng.permutation(num_pages)[:b * per_seq].reshape(b, per_seq), jnp.int32)
+    pages = _rand(rng, (1, num_pages, page, c + r)).astype(shape.cache)
+    lens = rng.integers(span // 2, span - t, size=b, endpoint=True)
+    positions = jnp.asarray(lens[:, None] + np.arange(t)[None], jnp.int32)
+    q = jnp.float32 if tiny else jnp.bfloat16
+    return (_rand(rng, (b, t, shape.heads, c), q, 0.5), _rand(rng, (b, t, shape.heads, r), q, 0.5), pages, table,
+            positions)
+
+
+def sweep_crossover(shapes, spans, iters: int, interpret: bool, tiny: bool, full: bool, emit=None) -> list[dict]:
+    """Time kernel and reference at every (span, shape), largest spans first; unless `full`, stop
+    after the first span at which the kernel lost for some shape (the crossover is above it)."""
+    points = []
+    for span in sorted(spans, reverse=True):
+        lost = False
+        for shape in shapes:
+            scale = (512 + 64) ** -0.5
+            rec = {"shape": shape.label, "span": span}
+            try:
+                args = paged_args(shape, span, tiny=tiny)
+                ref = jax.jit(lambda *a, causal=shape.causal: mla_paged_reference(*a, scale, causal=causal, row=0))
+                kern = jax.jit(lambda *a, causal=shape.causal: mla_paged_kernel(*a, scale, causal=causal, row=0,
+                                                                                interpret=interpret))
+                want, _, t_ref = _timed(ref, args, iters)
+                got, _, t_kernel = _timed(kern, args, iters)
+                err = _error(got, want)
+                rec |= {"kernel_ms": t_kernel * 1e3, "reference_ms": t_ref * 1e3, "ratio": t_kernel / t_ref,
+                        "err": err, "ok": err <= _tol(tiny, 2e-2)}
+                line = (f"[{'crossover' if rec['ok'] else 'FAIL'}] span {span:6d}  {shape.label:20s} kernel "
+                        f"{t_kernel * 1e3:9.3f} ms  reference {t_ref * 1e3:9.3f} ms  ratio {t_kernel / t_ref:6.3f}  "
+                        f"err {err:.1e}")
+            except Exception as e:
+                rec |= {"ratio": None, "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                line = f"[crossover] span {span:6d}  {shape.label:20s} error: {rec['error']}"
+            print(line, flush=True)
+            points.append(rec)
+            if emit is not None:
+                emit(points)
+            lost |= rec["ratio"] is None or rec["ratio"] > 1.0
+        if lost and not full:
+            print(f"[crossover] the kernel lost at span {span}: smaller spans stay with the reference "
+                  "(--crossover_full to sweep them anyway)", flush=True)
+            break
+    return points
+
+
+def print_crossover(report: dict) -> None:
+    m = report["measured_crossover"]
+    print(f"[crossover] measured crossover: {m if m is not None else 'none (the kernel lost at the largest span)'}"
+          f"; recommended DSPARK_MLA_PAGED_MIN_KEYS={report['recommended_min_keys']} "
+          f"(current {report['current_min_keys']}); auto with the current value: worst "
+          f"{report['auto_worst_ratio_current']:.3f} x the reference "
+          f"({'never slower' if report['auto_never_slower_current'] else 'SLOWER somewhere'})", flush=True)
+
+
 def main(argv):
     del argv
-    groups = _ONLY.value or list(GROUPS)
+    groups = [] if _ONLY.value == ["none"] else (_ONLY.value or list(GROUPS))
     unknown = set(groups) - set(GROUPS)
     if unknown:
-        raise app.UsageError(f"--only: unknown groups {sorted(unknown)}; choose from {sorted(GROUPS)}")
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        raise app.UsageError(f"--only: unknown groups {sorted(unknown)}; choose from {sorted(GROUPS)} or none")
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm") and not _TINY.value
+    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "iters": _ITERS.value,
+              "cases": []}
+
+    def save():
+        if _JSON.value:
+            Path(_JSON.value).write_text(json.dumps(result, indent=1))
+
     ok = True
     if on_gpu:
         print(f"GPU: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}); Triton lowering; "
               f"times = median of {_ITERS.value} calls", flush=True)
-        for group in groups:
-            for case in GROUPS[group](tiny=False, interpret=False):
-                ok &= run_case(case, _ITERS.value, _TUNE.value, timing=True)
     else:
-        print(f"no GPU (default backend: {jax.default_backend()}): lowering every kernel to Triton IR "
-              "for CUDA and ROCm, then interpret-mode comparisons on tiny shapes (no timings)", flush=True)
-        ok &= lower_for_gpu(groups)
-        for group in groups:
-            for case in GROUPS[group](tiny=True, interpret=True):
-                ok &= run_case(case, 0, False, timing=False)
+        lowering = " lowering every kernel to Triton IR for CUDA and ROCm, then" if _LOWER.value and groups else ""
+        print(f"no GPU (default backend: {jax.default_backend()}) or --tiny:{lowering} interpret-mode comparisons "
+              "on tiny shapes (timings meaningless)", flush=True)
+        if _LOWER.value and groups:
+            ok &= lower_for_gpu(groups, _MATCH.value)
+    for group in groups:
+        for case in GROUPS[group](tiny=not on_gpu, interpret=not on_gpu):
+            if _MATCH.value not in case.name:
+                continue
+            case_ok, rec = run_case(case, _ITERS.value if on_gpu else 0, _TUNE.value, timing=on_gpu)
+            ok &= case_ok
+            result["cases"].append(rec)
+            save()
+    if _CROSSOVER.value:
+        spans = [int(x) for x in _SPANS.value] or list(CROSSOVER_SPANS if on_gpu else TINY_SPANS)
+
+        def emit(points):
+            result["crossover"] = {"points": points}
+            save()
+
+        points = sweep_crossover(CROSSOVER_SHAPES if on_gpu else TINY_SHAPES, spans,
+                                 _ITERS.value if on_gpu else 1, interpret=not on_gpu, tiny=not on_gpu,
+                                 full=_FULL.value, emit=emit)
+        report = crossover_report(points, dispatch.mla_paged_min_keys())
+        result["crossover"] = {"points": auto_choice(points, report["current_min_keys"]), **report,
+                               "timings_meaningful": on_gpu}
+        save()
+        print_crossover(report)
+        ok &= all(p.get("ok", False) for p in points)
+    result["ok"] = bool(ok)
+    save()
     print("all kernels match their references" if ok else "MISMATCH OR ERROR (see [FAIL] lines)", flush=True)
     sys.exit(0 if ok else 1)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dspark_jax.config import ConfigError, DraftConfig, KimiConfig, LlamaConfig, load_config
 from dspark_jax.presets import resolve_model_path
+from dspark_jax.sources import register_source
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-dspark"
@@ -19,8 +20,6 @@ DEFAULT_DRAFT = "smollm2-135m-dspark"
 
 def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype=None, mesh=None, progress=None):
     """A target model (kimi_linear or llama family) ready for `generate`."""
-    from dspark_jax.generate import register_source
-
     path = resolve_model_path(path_or_name)
     from dspark_jax.checkpoint import target_io
     if target_io.is_orbax_target_dir(Path(path)):          # written by `python -m convert.target`
@@ -44,7 +43,7 @@ def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
 
 def load_draft(path_or_name: str | os.PathLike = DEFAULT_DRAFT, *, dtype=None, mesh=None):
     """A DSpark draft from its torch layout (config.json + model.safetensors) or an Orbax dir."""
-    from dspark_jax.models.dspark import load_draft as _load
+    from dspark_jax.checkpoint.draft_io import load_draft as _load
 
     path = Path(resolve_model_path(path_or_name))
     return _load(path, dtype=dtype, mesh=mesh)

@@ -113,6 +113,12 @@ class KDAStates(NamedTuple):
         return KDAStates((None, None, None, "heads"), (None, None, "heads", None, None))
 
 
+class TargetCaches(NamedTuple):
+    """Everything a target's cached forward reads and writes."""
+    pool: PagedPool                  # attention rows (target attention layers, then draft layers)
+    kda: KDAStates | None            # linear-attention states (kimi family only)
+
+
 def fp8_round_trip(x: jax.Array) -> jax.Array:
     """What a value looks like after a trip through fp8 storage (used by references/tests)."""
     return (x.astype(jnp.float32) / FP8_SCALE).astype(FP8).astype(jnp.float32) * FP8_SCALE

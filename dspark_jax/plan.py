@@ -8,12 +8,12 @@ XLA's own per-device buffer assignment (`compiled.memory_analysis()`): arguments
 aliased to donated inputs, and temporaries.
 
 Programs (caches are donated, as a server would):
-- `prefill`: one chunk of one sequence's prompt (`prefill_chunk`: `Engine._prefill_impl`'s body
+- `prefill`: one chunk of one sequence's prompt (`prefill_chunk`: `Engine.prefill_fn`'s body
   at the chunk's positions, continuing the slot's KDA state: `steps.target_forward` in chunked-KDA
   mode, the draft's context rows, the next token), on the full serving caches. Long prompts must
   be prefilled chunk by chunk (a whole 16K-token prompt does not fit K3 on 8 x 288 GB); a chunk
   costs the same at any offset (attention reads the whole logical cache under a mask).
-- `step`: one speculative decode step for the whole batch (`Engine._step_impl`: propose T drafts,
+- `step`: one speculative decode step for the whole batch (`Engine.step_fn`: propose T drafts,
   verify `[x0, d_1..d_T]` with per-token KDA snapshots, accept, commit, draft context rows).
 - `propose`: the draft's block pass alone (`steps.draft_block`), also part of `step`.
 The report's peak is the largest of `max(arguments, weights + caches) + temporaries + outputs not
@@ -39,13 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax import steps
-from dspark_jax.cache import KDAStates, PagedPool
+from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.sampling import sample_tokens
 
 GIB = 2**30
 # XLA flags for compiling without running: LLVM's optimisations change code speed, not buffers
@@ -110,12 +113,12 @@ def load_plan_configs(config: str, draft_config: str | None) -> tuple[KimiConfig
 @dataclasses.dataclass(frozen=True)
 class ServingShape:
     num_devices: int
-    max_model_len: int
-    max_num_seqs: int
-    kv_cache_dtype: str = "fp8"
-    block_size: int = 128                 # ATOM's --block-size for K3 (spec E)
+    engine: EngineConfig                  # T, cache dtype, page size, slots, max_model_len (required here)
     prefill_chunk: int = 4096             # tokens of one sequence per prefill program
-    num_speculative_tokens: int = 7
+
+    def __post_init__(self):
+        if self.engine.max_model_len is None:
+            raise ValueError("a serving plan needs EngineConfig.max_model_len")
 
 
 @dataclasses.dataclass
@@ -244,7 +247,7 @@ def weight_groups(target, draft, mesh: Mesh) -> list[TensorGroup]:
 # abstract serving state
 
 
-def cache_shardings(caches: steps.TargetCaches, mesh: Mesh) -> steps.TargetCaches:
+def cache_shardings(caches: TargetCaches, mesh: Mesh) -> TargetCaches:
     """The pool is replicated (every head reads the shared MLA latent rows, as with ATOM's TP);
     KDA SSM states are split by head like the KDA weights; conv windows (q|k|v concatenated, small)
     are replicated."""
@@ -257,14 +260,14 @@ def cache_shardings(caches: steps.TargetCaches, mesh: Mesh) -> steps.TargetCache
     if caches.kda is not None:
         kda = KDAStates(named(caches.kda.conv, (None, "batch", None, None)),
                         named(caches.kda.ssm, (None, "batch", "heads", None, None)))
-    return steps.TargetCaches(pool, kda)
+    return TargetCaches(pool, kda)
 
 
 def _with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def cache_groups(caches: steps.TargetCaches, shardings: steps.TargetCaches) -> list[TensorGroup]:
+def cache_groups(caches: TargetCaches, shardings: TargetCaches) -> list[TensorGroup]:
     rows = [("KV pool (MLA + draft rows)", caches.pool.pages, shardings.pool.pages)]
     if caches.kda is not None:
         rows += [("KDA conv windows", caches.kda.conv, shardings.kda.conv),
@@ -278,41 +281,39 @@ def cache_groups(caches: steps.TargetCaches, shardings: steps.TargetCaches) -> l
 
 
 def prefill_chunk(engine, t_state, d_state, tokens_BC: jax.Array, start_B: jax.Array, n_valid_B: jax.Array,
-                  slots_B: jax.Array, caches: steps.TargetCaches, key: jax.Array):
+                  slots_B: jax.Array, caches: TargetCaches, key: jax.Array):
     """Prefill one chunk of B sequences' prompts, at positions start..start+C-1 (the first
     `n_valid` tokens are real), into their cache slots of the full serving caches. Returns the
     token sampled after each chunk's last valid token (the first generated token once the chunk
-    is the prompt's last) and the caches. Equal to `Engine._prefill_impl` over the whole prompt
+    is the prompt's last) and the caches. Equal to `Engine.prefill_fn` over the whole prompt
     when the chunks are fed in order."""
-    from dspark_jax.generate import attention_rows
-
-    target, draft = engine._models(t_state, d_state)
+    target, draft = engine.merge(t_state, d_state)
     c = tokens_BC.shape[1]
     positions = start_B[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
     valid = jnp.arange(c)[None] < n_valid_B[:, None]
     table = caches.pool.block_table
     kda = caches.kda
-    view = steps.TargetCaches(caches.pool._replace(block_table=table[slots_B]),
+    view = TargetCaches(caches.pool._replace(block_table=table[slots_B]),
                               None if kda is None else KDAStates(kda.conv[:, slots_B], kda.ssm[:, slots_B]))
     out, view, _ = steps.target_forward(target, tokens_BC, positions, valid, view, engine.aux_ids,
                                         verify=False)
     pool = view.pool
     if draft is not None:
-        pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, attention_rows(target))
+        pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
     if kda is not None:
         kda = KDAStates(kda.conv.at[:, slots_B].set(view.kda.conv), kda.ssm.at[:, slots_B].set(view.kda.ssm))
     last = jnp.take_along_axis(out.logits, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
-    first = steps.sample_tokens(last, engine.temperature, engine.top_p, key)
-    return first, steps.TargetCaches(pool._replace(block_table=table), kda)
+    first = sample_tokens(last, engine.temperature, engine.top_p, key)
+    return first, TargetCaches(pool._replace(block_table=table), kda)
 
 
 def propose(engine, t_state, d_state, x0_B: jax.Array, lens_B: jax.Array, pool: PagedPool) -> steps.DraftProposal:
-    """The draft's block pass from the shared pool (the propose half of `Engine._step_impl`)."""
-    from dspark_jax.generate import attention_rows, embed_and_head
+    """The draft's block pass from the shared pool (the propose half of `Engine.step_fn`)."""
+    from dspark_jax.engine import embed_and_head
 
-    target, draft = engine._models(t_state, d_state)
+    target, draft = engine.merge(t_state, d_state)
     embed, head = embed_and_head(target)
-    return steps.draft_block(draft, embed, head, x0_B, lens_B, pool, attention_rows(target), engine.t)
+    return steps.draft_block(draft, embed, head, x0_B, lens_B, pool, target.attention_rows, engine.t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
                progress: Progress | None = None) -> Plan:
     """Build the models abstractly on a `tensor = num_devices` mesh (TP = EP = all devices, as
     ATOM serves K3), compile the serving programs and collect the report."""
-    from dspark_jax.generate import Engine
+    from dspark_jax.engine import Engine
     from dspark_jax.models.dspark import K3DSparkModel
     from dspark_jax.models.kimi import KimiLinearModel
 
@@ -357,8 +358,9 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
     if draft_cfg is not None:
         draft = params_lib.abstract(lambda: K3DSparkModel(draft_cfg, dtype=jnp.dtype(draft_cfg.dtype),
                                                           rngs=nnx.Rngs(0)))
-    t_spec = shape.num_speculative_tokens if draft is not None else 0
-    engine = Engine(target, draft, t_spec, 0.0, 1.0, shape.kv_cache_dtype, page_size=shape.block_size)
+    draft, config = shape.engine.for_pair(draft)
+    t_spec = config.num_speculative_tokens
+    engine = Engine(target, draft, config)
     if progress:
         progress(f"abstract models built in {time.perf_counter() - t0:.1f} s")
 
@@ -366,7 +368,7 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
     d_state = None
     if draft is not None:
         d_state = _with_shardings(engine.d_state, sharding_lib.param_shardings(engine.d_state, mesh))
-    b, max_len = shape.max_num_seqs, shape.max_model_len
+    b, max_len = config.max_num_seqs, config.max_model_len
     abstract_caches = jax.eval_shape(lambda: engine.new_caches(b, max_len))
     c_shard = cache_shardings(abstract_caches, mesh)
     caches = _with_shardings(abstract_caches, c_shard)
@@ -388,7 +390,7 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
                     if t_spec else f"decode step, {b} sequences (no draft)")
             reports.append(_compile(
                 "step", what,
-                lambda ts, ds, x0, lens, act, ml, cc, k: engine._step_impl(ts, ds, x0, None, lens, act, ml, cc, k,
+                lambda ts, ds, x0, lens, act, ml, cc, k: engine.step_fn(ts, ds, x0, None, lens, act, ml, cc, k,
                                                                            temperature=0.0, top_p=1.0),
                 (t_state, d_state, i32(b), i32(b), jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=rep), i32(),
                  caches, key), progress,

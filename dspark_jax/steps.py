@@ -19,90 +19,25 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.cache import KDAStates, PagedPool
-from dspark_jax.layers.kda import KDASnapshots, KDAState
+from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
+from dspark_jax.layers.kda import KDASnapshots
+from dspark_jax.models.dspark import block_input_ids
 from dspark_jax.models.outputs import ForwardOutput
-
-
-class TargetCaches(NamedTuple):
-    pool: PagedPool                  # attention rows (target MLA / llama layers, then draft layers)
-    kda: KDAStates | None            # kimi family only
-
-
-def _visible(positions_BT: jax.Array, length: int) -> jax.Array:
-    """Causal visibility over the logical cache: key position <= query position."""
-    return jnp.arange(length)[None, None, :] <= positions_BT[:, :, None]
+from dspark_jax.sampling import filter_logits, markov_draft, sample_tokens
 
 
 def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
                    caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
                    ) -> tuple[ForwardOutput, TargetCaches, KDASnapshots | None]:
-    """Run T tokens per sequence at their positions through the target with caches.
+    """Run T tokens per sequence at their positions through the target with caches (every target
+    family's `forward_cached`, models/outputs.py `TargetLM`).
 
     Prefill (`verify=False`): KDA in chunked form, states advance past the valid tokens.
     Verify (`verify=True`): KDA in recurrent form returning one snapshot per token (stacked over
     KDA layers: conv [n_kda,B,T,K-1,3P], ssm [n_kda,B,T,H,K,V]); the caller commits the snapshot of
     the last accepted token with `commit_kda`. Attention layers write their rows for valid tokens
     and attend over the logical cache up to each query's position."""
-    if target.cfg.family == "kimi_linear":
-        return _kimi_forward(target, tokens_BT, positions_BT, valid_BT, caches, aux_layer_ids, verify)
-    if target.cfg.family == "llama":
-        out, pool = _llama_forward(target, tokens_BT, positions_BT, valid_BT, caches.pool, aux_layer_ids)
-        return out, TargetCaches(pool, None), None
-    raise ValueError(f"unknown target family {target.cfg.family!r}")
-
-
-def _kimi_forward(model, tokens_BT, positions_BT, valid_BT, caches: TargetCaches, aux_layer_ids, verify):
-    cfg = model.cfg
-    pool, kda = caches
-    mla_row, kda_row = cfg.mla_layer_index, cfg.kda_layer_index
-    new_conv, new_ssm, snap_conv, snap_ssm = {}, {}, {}, {}
-
-    def attention(layer, x):
-        nonlocal pool
-        idx = layer.layer_idx
-        if layer.is_mla:
-            row = mla_row[idx]
-            pool = pool.write(row, positions_BT, layer.self_attn.latent_kv(x, positions_BT), valid_BT)
-            return layer.self_attn.attend_paged(x, positions_BT, pool, row, causal=True)
-        i = kda_row[idx]
-        state = KDAState(kda.conv[i], kda.ssm[i])
-        if verify:
-            out, st, snaps = layer.self_attn(x, state, mode="recurrent", valid_BT=valid_BT,
-                                             return_snapshots=True)
-            snap_conv[i], snap_ssm[i] = snaps.conv, snaps.ssm
-        else:
-            out, st = layer.self_attn(x, state, mode="chunked", valid_BT=valid_BT)
-        new_conv[i], new_ssm[i] = st.conv, st.ssm
-        return out
-
-    res, aux = model.run_layers(model.model.embed_tokens(tokens_BT), attention, aux_layer_ids)
-    final = model.model.final_hidden(res)
-    n_kda = len(cfg.kda_layers)
-    if n_kda:
-        kda = KDAStates(jnp.stack([new_conv[i] for i in range(n_kda)]),
-                        jnp.stack([new_ssm[i] for i in range(n_kda)]))
-    snaps = None
-    if verify and n_kda:
-        snaps = KDASnapshots(jnp.stack([snap_conv[i] for i in range(n_kda)]),
-                             jnp.stack([snap_ssm[i] for i in range(n_kda)]))
-    return ForwardOutput(model.logits(final), aux, final), TargetCaches(pool, kda), snaps
-
-
-def _llama_forward(model, tokens_BT, positions_BT, valid_BT, pool: PagedPool, aux_layer_ids):
-    dtype = model.dtype
-
-    def attention(layer_idx, attn, x):
-        nonlocal pool
-        q, k, v = attn.project(x, positions_BT)           # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
-        b, t, nkv, hd = k.shape
-        pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
-        kv = pool.read(layer_idx, dtype, 2 * nkv * hd).reshape(b, -1, nkv, 2 * hd)
-        mask = _visible(positions_BT, kv.shape[1])
-        return attn.attend(q, kv[..., :hd], kv[..., hd:], mask)
-
-    out = model.run(tokens_BT, attention, aux_layer_ids)
-    return out, pool
+    return target.forward_cached(tokens_BT, positions_BT, valid_BT, caches, tuple(aux_layer_ids), verify=verify)
 
 
 def commit_kda(kda: KDAStates, snaps: KDASnapshots, keep_B: jax.Array) -> KDAStates:
@@ -142,9 +77,7 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
     right (greedy at T=0, sampled from the biased distribution otherwise)."""
     cfg = draft.cfg
-    b = anchor_B.shape[0]
-    ids_BT = jnp.concatenate([anchor_B[:, None],
-                              jnp.full((b, num_tokens - 1), cfg.mask_token_id, anchor_B.dtype)], 1)
+    ids_BT = block_input_ids(anchor_B, num_tokens, cfg.mask_token_id)
     pos_BT = anchor_pos_B[:, None] + jnp.arange(num_tokens)[None]
     dtype = embed_VD.dtype
 
@@ -158,30 +91,13 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
         return attn.attend_paged(a_BTD, pos_BT, pool, row, causal=False)
 
     h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)
-    base_BTV = jnp.einsum("btd,vd->btv", h_BTD.astype(lm_head_VD.dtype), lm_head_VD).astype(jnp.float32)
+    base_BTV = draft.base_logits(h_BTD, lm_head_VD)
     tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key)
     conf = None
     if cfg.enable_confidence_head:
         prev = jnp.concatenate([anchor_B[:, None], tokens[:, :-1]], 1)
         conf = draft.confidence(h_BTD, prev)
     return DraftProposal(tokens, logits, conf, pool)
-
-
-def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float = 0.0,
-                 top_p: float = 1.0, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The Markov head, left to right: logits_k = base_k + W1[prev_k] W2^T (fp32), d_{k+1} drawn
-    from them (argmax at T=0), prev_{k+1} = d_{k+1}. Returns drafts and the biased logits."""
-    t = base_BTV.shape[1]
-    keys = jax.random.split(key, t) if key is not None else jnp.zeros((t, 2), jnp.uint32)
-
-    def step(prev_B, xs):
-        base_BV, k = xs
-        logits_BV = base_BV.astype(jnp.float32) + draft.markov_bias(prev_B)
-        tok_B = sample_tokens(logits_BV, temperature, top_p, k if key is not None else None)
-        return tok_B.astype(prev_B.dtype), (tok_B.astype(prev_B.dtype), logits_BV)
-
-    _, (tokens_TB, logits_TBV) = jax.lax.scan(step, x0_B, (jnp.swapaxes(base_BTV, 0, 1), keys))
-    return jnp.swapaxes(tokens_TB, 0, 1), jnp.swapaxes(logits_TBV, 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,27 +122,6 @@ def accept_greedy(target_logits_BT1V: jax.Array, drafts_BT: jax.Array,
 
 def _leading_true(match_BT: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(match_BT.astype(jnp.int32), axis=1), axis=1)
-
-
-def filter_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """Temperature + top-p applied identically to draft and target distributions (log-probs)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    if top_p >= 1.0:
-        return logp
-    order = jnp.argsort(-logp, axis=-1)
-    sorted_p = jnp.exp(jnp.take_along_axis(logp, order, axis=-1))
-    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p      # always keeps the top token
-    keep = _unsort(keep_sorted, order)
-    logp = jnp.where(keep, logp, -jnp.inf)
-    return jax.nn.log_softmax(logp, axis=-1)
-
-
-def _unsort(values, order):
-    """Inverse of `take_along_axis(x, order, -1)` on the last axis."""
-    flat_v = values.reshape(-1, values.shape[-1])
-    flat_o = order.reshape(-1, order.shape[-1])
-    out = jnp.zeros_like(flat_v).at[jnp.arange(flat_v.shape[0])[:, None], flat_o].set(flat_v)
-    return out.reshape(values.shape)
 
 
 def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, drafts_BT: jax.Array,
@@ -263,9 +158,3 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     emitted = jnp.concatenate([drafts_BT, jnp.zeros_like(drafts_BT[:, :1])], 1)
     emitted = emitted.at[jnp.arange(b), n].set(fix)
     return Acceptance(n, emitted)
-
-
-def sample_tokens(logits_BV: jax.Array, temperature: float, top_p: float, key: jax.Array | None) -> jax.Array:
-    if temperature <= 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits_BV, temperature, top_p), axis=-1).astype(jnp.int32)

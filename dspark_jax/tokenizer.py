@@ -3,8 +3,9 @@
 Two kinds of model directory:
 - HF `tokenizer.json` (+ `tokenizer_config.json`): `Tokenizer`, backed by the `tokenizers` library
   (SmolLM2 and other Llama-family targets).
-- tiktoken `tiktoken.model` (+ `tokenizer_config.json`): `KimiTokenizer` (Kimi-K2 / Kimi-Linear /
-  Kimi-K3 layout).
+- tiktoken `tiktoken.model` + `tokenizer_config.json`: `KimiTokenizer` (Kimi-K2 / Kimi-Linear /
+  Kimi-K3 layout). Special tokens and chat format come from the directory; the built-in Kimi-K2
+  ones only for a directory whose `config.json` declares a K2 / Kimi-Linear model, never for K3.
 Chat templates are rendered with jinja2 the way transformers does (sandboxed environment,
 trim_blocks, lstrip_blocks, `raise_exception`, `tojson`), so a model's own template gives the same
 prompt here as in transformers. `load_tokenizer(model_dir)` picks the class from the files present.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -63,13 +65,24 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _chat_template_source(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
-    """A model's chat template: `tokenizer_config.json` or a separate `chat_template.jinja`."""
-    template = tokenizer_config.get("chat_template")
+CHAT_TEMPLATE_SOURCES = ("tokenizer_config.json 'chat_template'", "chat_template.jinja",
+                         "chat_template.json 'chat_template'")
+
+
+def _named_default(template: Any) -> Any:
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+def _chat_template_source(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """A model's chat template, from the first of CHAT_TEMPLATE_SOURCES that has one (what
+    transformers' tokenizers and processors save)."""
+    template = _named_default(tokenizer_config.get("chat_template"))
     if template is None and (model_dir / "chat_template.jinja").exists():
         template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None:
+        template = _named_default(_read_json(model_dir / "chat_template.json").get("chat_template"))
     return template
 
 
@@ -178,10 +191,13 @@ KIMI_PAT_STR = "|".join([
 # <|im_user|> 163587, <|im_assistant|> 163588, <|im_system|> 163594, <|im_middle|> 163601, ...
 # Source: `added_tokens_decoder` of moonshotai/Kimi-K2-Instruct tokenizer_config.json as quoted
 # in several public repositories (e.g. the special-token tables in openjiuwen's tiktoken counter
-# and in Kimi-K2 tiktoken->HF conversion scripts). Used only when a model directory has no
-# `added_tokens_decoder` of its own. Kimi-K3's tokenizer_config.json names this block differently
-# (<|end_of_msg|> 163586, <|open|> 163587, <|close|> 163588, <|sep|> 163589, ...) and uses another
-# chat format, so K3 relies on the `added_tokens_decoder` and chat template of its own directory.
+# and in Kimi-K2 tiktoken->HF conversion scripts). Used only for a directory that has no
+# `added_tokens_decoder` of its own AND whose config.json declares a Kimi-K2 / Kimi-Linear model.
+# Kimi-K3's tokenizer_config.json names this block differently (<|end_of_msg|> 163586 = K3's
+# eos_token_id in spec A.1, <|open|> 163587, <|close|> 163588, <|sep|> 163589, ...) and uses another
+# chat format, which this project has no copy of: a K3 directory must bring its own
+# `added_tokens_decoder` and chat template, and loading one without them is an error (no fallback
+# to K2's tokens or format, which would render K2 markers as plain text for K3).
 KIMI_K2_SPECIAL_OFFSETS: dict[str, int] = {
     "[BOS]": 0,
     "[EOS]": 1,
@@ -209,7 +225,7 @@ KIMI_K2_SPECIAL_OFFSETS: dict[str, int] = {
 }
 KIMI_NUM_RESERVED_SPECIAL = 256
 
-# Kimi chat format (Kimi-K2 / Kimi-Linear), used when the model directory ships no template:
+# Kimi chat format (Kimi-K2 / Kimi-Linear), used when a K2 / Kimi-Linear directory ships no template:
 # <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
 # <|im_assistant|>assistant<|im_middle|>  (no newlines between turns). Moonshot's own K2 template
 # also inserts a default system prompt and renders tools; a directory's template takes precedence.
@@ -236,14 +252,39 @@ class KimiTokenizer(BaseTokenizer):
             ranks = load_tiktoken_bpe(str(path))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a readable tiktoken rank file ({e})") from None
-        cfg = _read_json(model_dir / "tokenizer_config.json")
-        self._special = kimi_special_tokens(len(ranks), cfg.get("added_tokens_decoder"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = _read_json(cfg_path)
+        # "kimi_k3", "kimi_k2" or None; the built-in K2 tokens / format serve only "kimi_k2"
+        self.family = kimi_family(_read_json(model_dir / "config.json"))
+        k2_builtin_ok = self.family == "kimi_k2"
+        whose = ("Kimi-K3's" if self.family == "kimi_k3" else
+                 "this directory's (its config.json declares no Kimi-K2 / Kimi-Linear model)")
+        added = cfg.get("added_tokens_decoder")
+        if not added and not k2_builtin_ok:
+            raise ValueError(
+                f"{cfg_path}: {'no added_tokens_decoder' if cfg_path.exists() else 'file missing'}; "
+                f"{whose} special tokens are read from it (Kimi-K3 names them <|end_of_msg|>, <|open|>, "
+                "<|close|>, <|sep|>, ...); Kimi-K2's built-in table is used only when config.json has "
+                "model_type kimi_k2 or kimi_linear")
+        self._special = kimi_special_tokens(len(ranks), added or None)
         self._special_ids = frozenset(self._special.values())
         self._enc = tiktoken.Encoding(name=str(path), pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
                                       special_tokens=self._special)
-        template = _chat_template_source(model_dir, cfg) or KIMI_CHAT_TEMPLATE
-        super().__init__(template, _token_content(cfg.get("bos_token", "[BOS]")),
-                         _token_content(cfg.get("eos_token", "[EOS]")))
+        template = _chat_template_source(model_dir, cfg)
+        if template is None and not k2_builtin_ok:
+            raise ValueError(
+                f"{model_dir}: no chat template (looked for {', '.join(CHAT_TEMPLATE_SOURCES)}); {whose} "
+                "chat format is the model's own template; the built-in Kimi-K2 format is used only when "
+                "config.json has model_type kimi_k2 or kimi_linear")
+        _check_template_tokens(template or KIMI_CHAT_TEMPLATE, self._special, model_dir,
+                               "its chat template" if template else "the built-in Kimi-K2 chat format")
+        template = template or KIMI_CHAT_TEMPLATE
+        bos, eos = _token_content(cfg.get("bos_token", "[BOS]")), _token_content(cfg.get("eos_token", "[EOS]"))
+        for key, name in (("bos_token", bos), ("eos_token", eos)):
+            if key in cfg and name is not None and name not in self._special:
+                raise ValueError(f"{cfg_path}: {key} {name!r} is not a special token of its "
+                                 "added_tokens_decoder")
+        super().__init__(template, bos, eos)
         self._model_eos_ids = _model_eos_ids(model_dir)
 
     def encode(self, text: str) -> list[int]:
@@ -265,10 +306,43 @@ class KimiTokenizer(BaseTokenizer):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        # <|im_end|> closes every chat turn, so it stops generation too (K2's chat eos).
-        names = [self.eos_token, "<|im_end|>"]
+        # the token that closes every chat turn stops generation too: <|im_end|> (K2) or
+        # <|end_of_msg|> (K3, whose config.json eos_token_id 163586 it is); absent names are skipped
+        names = [self.eos_token, "<|im_end|>", "<|end_of_msg|>"]
         ids = [self._special.get(n) for n in names if n] + self._model_eos_ids
         return tuple(sorted({i for i in ids if i is not None}))
+
+
+# K3-only config.json keys (spec A.1); one of them set marks a plain-layout (`kimi_linear`) K3
+_K3_CONFIG_KEYS = ("attn_res_block_size", "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
+
+
+def kimi_family(config: Mapping[str, Any]) -> str | None:
+    """What a Kimi model directory's config.json declares: "kimi_k3" (model_type kimi_k3, a KimiK3*
+    architecture, or a K3 extension key set), "kimi_k2" (model_type kimi_k2 / kimi_linear without
+    K3 keys: Kimi-K2 and Kimi-Linear share K2's tokenizer), or None (no or another config)."""
+    text = config.get("text_config") or {}
+    archs = [str(a) for a in (config.get("architectures") or []) + (text.get("architectures") or [])]
+    if (config.get("model_type") == "kimi_k3" or any(a.startswith("KimiK3") for a in archs)
+            or any(config.get(k) or text.get(k) for k in _K3_CONFIG_KEYS)):
+        return "kimi_k3"
+    if config.get("model_type") in ("kimi_k2", "kimi_linear"):
+        return "kimi_k2"
+    return None
+
+
+_SPECIAL_LITERAL = re.compile(r"<\|[^<>|\s]+\|>")
+_JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.S)
+
+
+def _check_template_tokens(template: str, special: Mapping[str, int], model_dir: Path, what: str) -> None:
+    """Every `<|...|>` marker a chat template writes must be a special token of the tokenizer,
+    else it would be tokenized as plain text and the model would see a format it was not trained on."""
+    missing = sorted(set(_SPECIAL_LITERAL.findall(_JINJA_COMMENT.sub("", template))) - set(special))
+    if missing:
+        raise ValueError(f"{model_dir}: {what} writes {', '.join(missing)}, which "
+                         f"{model_dir / 'tokenizer_config.json'} 'added_tokens_decoder' does not define as "
+                         "special tokens (they would be tokenized as plain text)")
 
 
 def kimi_special_tokens(num_ranks: int, added_tokens_decoder: Mapping[str, Any] | None) -> dict[str, int]:

@@ -18,7 +18,11 @@ from pathlib import Path
 
 from absl import app, flags
 
-from dspark_jax import distributed  # also defines --coordinator_address, --num_processes, --process_id
+from dspark_jax import (
+    distributed,  # also defines --coordinator_address, --num_processes, --process_id
+    engine_config,
+)
+from dspark_jax.errors import RequestError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target directory or preset (default: smollm2-135m).")
@@ -31,12 +35,8 @@ flags.DEFINE_string("aime_file", None, "AIME JSONL ({id, problem, answer} per li
 flags.DEFINE_integer("limit", None, "First N prompts of each benchmark (default: the official counts).",
                      lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 512, "Tokens generated per turn.", lower_bound=1)
-flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step.", lower_bound=1)
-flags.DEFINE_string("kv_cache_dtype", "auto", "Paged cache storage: auto, bf16, fp32 or fp8.")
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
-flags.DEFINE_integer("max_model_len", 4096, "Largest cache capacity for a conversation (prompt + answer); "
-                     "each conversation gets the smallest power of two (>= 256) that fits.", lower_bound=64)
-flags.DEFINE_integer("block_size", 16, "Tokens per page of the paged cache.", lower_bound=1)
+engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 flags.DEFINE_integer("max_turns", None, "Turns per conversation at most (MT-Bench first turns: 1; default: all).",
                      lower_bound=1)
 flags.DEFINE_string("output_json", None, "Write the results here (JSON).")
@@ -52,12 +52,23 @@ def main(argv) -> None:
     del argv
     from dspark_jax.data.benchmarks import OFFICIAL_COUNTS
     from dspark_jax.serving import bench
-    from dspark_jax.serving.models import describe, fingerprint, load_draft_spec, load_pair
+    from dspark_jax.serving.models import (
+        describe,
+        fingerprint,
+        load_draft_spec,
+        load_pair,
+    )
 
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs, prints and writes the results
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     progress = FLAGS.progress and primary
+    try:
+        config = engine_config.from_flags()        # checked before any model loads
+    except RequestError as e:
+        raise app.UsageError(str(e)) from None
+    if not config.speculative:
+        raise app.UsageError("the benchmark measures a draft: --num_speculative_tokens must be >= 1")
     if FLAGS.benchmarks:
         names = bench.resolve_benchmarks(FLAGS.benchmarks)
         if "aime" in names and not FLAGS.aime_file:
@@ -70,33 +81,34 @@ def main(argv) -> None:
     pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
     if pair.draft is None:
         raise app.UsageError("the benchmark measures a draft: --draft_model none is not meaningful here")
-    for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
-                         kv_cache_dtype=FLAGS.kv_cache_dtype):
+    for line in describe(pair, config):
         log.info(line)
     items = bench.load_items(names, FLAGS.limit, FLAGS.aime_file)
     for n in names:
         official = OFFICIAL_COUNTS[n]
         log.info("%s: %d prompts%s", bench.CARD_NAMES[n], len(items[n]),
                  "" if len(items[n]) == official else f" (official count {official})")
-    kw = dict(num_speculative_tokens=FLAGS.num_speculative_tokens, max_new_tokens=FLAGS.max_new_tokens,
-              max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype, block_size=FLAGS.block_size,
-              max_turns=FLAGS.max_turns)
+    config = config.replace(max_model_len=config.max_len_for(pair.target))
+    kw = dict(max_new_tokens=FLAGS.max_new_tokens, max_turns=FLAGS.max_turns)
+    # what a journal's items depend on (a rerun with other values is refused)
+    recorded = dict(num_speculative_tokens=config.num_speculative_tokens, max_model_len=config.max_model_len,
+                    kv_cache_dtype=config.kv_cache_dtype, block_size=config.page_size, **kw)
 
     def journal(role: str, draft_spec: str, name: str):
         if not FLAGS.journal_dir:
             return None
         settings = {"benchmark": name, "model": pair.target_name, "model_sha": fingerprint(pair.target_name),
-                    "draft": draft_spec, "draft_sha": fingerprint(draft_spec), **kw}
+                    "draft": draft_spec, "draft_sha": fingerprint(draft_spec), **recorded}
         # process 0 writes; the others (same file system) only read, so they skip the same items
         return bench.Journal(Path(FLAGS.journal_dir) / f"{role}-{name}.jsonl", settings, writable=primary)
 
-    runner = bench.Runner(pair.target, pair.draft, pair.tokenizer, **kw)
+    runner = bench.Runner(pair.target, pair.draft, pair.tokenizer, config, **kw)
     results = {n: bench.run_benchmark(runner, n, items[n], progress, journal=journal("draft", pair.draft_name, n))
                for n in names}
     reference = None
     if FLAGS.reference_draft:
         ref_draft = load_draft_spec(FLAGS.reference_draft, pair.target, pair.mesh)
-        ref_runner = bench.Runner(pair.target, ref_draft, pair.tokenizer, **kw)
+        ref_runner = bench.Runner(pair.target, ref_draft, pair.tokenizer, config, **kw)
         reference = {n: bench.run_benchmark(ref_runner, n, items[n], progress,
                                             desc=f"{bench.CARD_NAMES[n]} (reference)",
                                             journal=journal("reference", FLAGS.reference_draft, n))

@@ -12,7 +12,10 @@ import logging
 
 from absl import app, flags
 
-from dspark_jax import distributed  # also defines --coordinator_address, --num_processes, --process_id
+from dspark_jax import (
+    distributed,  # also defines --coordinator_address, --num_processes, --process_id
+    engine_config,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target directory or preset (default: smollm2-135m).")
@@ -23,37 +26,39 @@ flags.DEFINE_string("prompt", "Explain in two sentences why the sky is blue.",
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (lossless speculative sampling).", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
-flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step; 0 = plain decoding.", lower_bound=0)
-flags.DEFINE_string("kv_cache_dtype", "auto", "Paged cache storage: auto, bf16, fp32 or fp8.")
 flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat template.")
 flags.DEFINE_list("stop", None, "Stop strings.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
                   "each step verifies (spec E.6; default step-cost model).")
-flags.DEFINE_integer("max_model_len", None, "Cache capacity (default: the model's max_position_embeddings).")
+engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 
 log = logging.getLogger("dspark_jax.serving")
 
 
 def main(argv) -> None:
     del argv
+    from dspark_jax.errors import RequestError
     from dspark_jax.generate import generate
     from dspark_jax.serving.models import describe, load_pair
     from dspark_jax.serving.worker import format_mtp_stats
 
+    try:
+        config = engine_config.from_flags()        # checked before any model loads
+    except RequestError as e:
+        raise app.UsageError(str(e)) from None
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
-    for line in describe(pair, num_speculative_tokens=FLAGS.num_speculative_tokens,
-                         kv_cache_dtype=FLAGS.kv_cache_dtype):
+    for line in describe(pair, config):
         log.info(line)
     res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,
                    temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                   num_speculative_tokens=FLAGS.num_speculative_tokens if pair.draft is not None else 0,
-                   stop=FLAGS.stop, seed=FLAGS.seed, chat=FLAGS.chat, tokenizer=pair.tokenizer,
-                   max_model_len=FLAGS.max_model_len, kv_cache_dtype=FLAGS.kv_cache_dtype,
+                   num_speculative_tokens=config.num_speculative_tokens, stop=FLAGS.stop, seed=FLAGS.seed,
+                   chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=config.max_model_len,
+                   kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
                    confidence_schedule=FLAGS.confidence_schedule)
     if not primary:
         return

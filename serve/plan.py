@@ -14,18 +14,17 @@ import sys
 
 from absl import app, flags, logging
 
+from dspark_jax import engine_config
 from dspark_jax import plan as plan_lib
+from dspark_jax.errors import RequestError
 
 _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config name, a config.json or a model dir.")
 _DRAFT = flags.DEFINE_string("draft_config", "auto",
                              "Draft config (name, file or dir); 'auto': the packaged <config>-dspark if any; 'none'.")
 _DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the serving mesh (TP = EP = all of them).")
-_MAX_LEN = flags.DEFINE_integer("max_model_len", 16384, "Longest sequence (prompt + output) in tokens.")
-_MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 8, "Sequences decoded together (cache slots).")
-_KV_DTYPE = flags.DEFINE_string("kv_cache_dtype", "fp8", "KV pool storage: fp8, bf16 (auto) or fp32.")
-_BLOCK = flags.DEFINE_integer("block_size", 128, "KV pool page size in tokens (ATOM: 128).")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 4096, "Tokens of one sequence per prefill program.")
-_SPEC = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per step.")
+# the serving flags of serve.server, at ATOM's page size and a K3 context (a plan is for a deployment)
+engine_config.define_flags(block_size=128, max_model_len=16384)
 _HBM = flags.DEFINE_float("hbm_gib", 288.0, "Memory per device in GiB (MI355X: 288).")
 _USABLE = flags.DEFINE_float("usable_fraction", 0.93, "Fraction of device memory the plan may use.")
 _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "step", "propose"], "Programs to compile.")
@@ -34,13 +33,14 @@ _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "step", "propose"], "Progr
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        config = engine_config.from_flags()
+    except RequestError as e:
+        raise app.UsageError(str(e)) from None
     plan_lib.configure_cpu_devices(_DEVICES.value)
     logging.set_verbosity(logging.INFO)
     cfg, draft_cfg = plan_lib.load_plan_configs(_CONFIG.value, _DRAFT.value)
-    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, max_model_len=_MAX_LEN.value,
-                                  max_num_seqs=_MAX_SEQS.value, kv_cache_dtype=_KV_DTYPE.value,
-                                  block_size=_BLOCK.value, prefill_chunk=_CHUNK.value,
-                                  num_speculative_tokens=_SPEC.value)
+    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, engine=config, prefill_chunk=_CHUNK.value)
     plan = plan_lib.build_plan(cfg, draft_cfg, shape, capacity_gib=_HBM.value, usable_fraction=_USABLE.value,
                                programs=_PROGRAMS.value, progress=logging.info)
     print("\n".join(plan_lib.format_plan(plan, plan_lib.plan_title(cfg, draft_cfg, _CONFIG.value))), flush=True)

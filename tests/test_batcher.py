@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.generate import Batcher, Engine, Request, eos_ids
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.generate import eos_ids
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
 
@@ -19,7 +22,8 @@ SLOTS, MAX_LEN, T = 3, 128, 4
 
 def _pair_engines(target, draft):
     """Plain and speculative engines shared by a module's tests (one compilation each)."""
-    return target, {0: Engine(target, None, 0), T: Engine(target, draft, T)}
+    return target, {0: Engine(target, None, EngineConfig(num_speculative_tokens=0)),
+                    T: Engine(target, draft, EngineConfig(num_speculative_tokens=T))}
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +82,8 @@ def test_admission_and_inactive_rows_leave_other_slots_untouched(k3):
     # a step in which slot 1 is inactive (as when its sampling group sits a step out) leaves it as it was
     snap1 = _pages_of(b.caches, 1)
     eng = engines[T]
-    _, _, caches = eng._step(eng.t_state, eng.d_state, jnp.asarray(b.x0), None, jnp.asarray(b.lens),
-                             jnp.asarray([True, False, False]), jnp.int32(MAX_LEN), b.caches,
-                             jax.random.PRNGKey(0), temperature=0.0, top_p=1.0)
+    _, _, caches = eng.step(jnp.asarray(b.x0), jnp.asarray(b.lens), jnp.asarray([True, False, False]),
+                            jnp.int32(MAX_LEN), b.caches, jax.random.PRNGKey(0), temperature=0.0, top_p=1.0)
     _assert_same(_pages_of(caches, 1), snap1)
     assert not np.array_equal(_pages_of(caches, 0)[1][1], snap0[1][1])     # while slot 0 moved on
 
@@ -168,7 +171,7 @@ def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
     if sharded:
         mesh = make_mesh(tensor=2, fsdp=2, data=2)
         target, draft = shard_module(target, mesh), shard_module(draft, mesh)
-    eng = Engine(target, draft, T)
+    eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
     b = 2
     caches = eng.new_caches(b, 64)
     placement = [x.sharding for x in jax.tree.leaves(caches)]
@@ -178,8 +181,7 @@ def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
     x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), 5, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
     for _ in range(3):
-        *_, caches = eng._propose(eng.t_state, eng.d_state, x0, lens, caches, key, span=64)
-        *_, caches = eng._step(eng.t_state, eng.d_state, x0, None, lens, active, jnp.int32(64), caches, key,
-                               span=64)
+        *_, caches = eng.propose(x0, lens, caches, key, span=64)
+        *_, caches = eng.step(x0, lens, active, jnp.int32(64), caches, key, span=64)
         assert [x.sharding for x in jax.tree.leaves(caches)] == placement
-    assert eng._propose._cache_size() == 1 and eng._step._cache_size() == 1
+    assert eng.propose_jit._cache_size() == 1 and eng.step_jit._cache_size() == 1

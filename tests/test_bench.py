@@ -141,12 +141,13 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
     """A journaled run cut short (the last line half written) and rerun with a larger limit
     generates only the missing items, and its results equal one uninterrupted run's; a journal
     of other settings is refused with the differing field named."""
+    from dspark_jax.engine_config import EngineConfig
     from dspark_jax.generate import tokenizer_for
 
     target_dir, draft_dir = pair_dirs
     target, draft = load_target(target_dir), load_draft(draft_dir)
-    runner = bench.Runner(target, draft, tokenizer_for(target), num_speculative_tokens=T, max_new_tokens=12,
-                          max_model_len=512)
+    runner = bench.Runner(target, draft, tokenizer_for(target),
+                          EngineConfig(num_speculative_tokens=T, max_model_len=512), max_new_tokens=12)
     items = load_benchmark("aime", None, aime_file=aime_file)
     settings = {"benchmark": "aime", "draft_sha": "a", "max_new_tokens": 12}
     whole = bench.run_benchmark(runner, "aime", items, progress=False)

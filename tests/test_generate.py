@@ -10,7 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import steps
-from dspark_jax.generate import Engine, RequestError, generate
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.errors import RequestError
+from dspark_jax.generate import generate
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
 
@@ -145,13 +149,20 @@ def test_kda_rollback_forced_rejection(k3_pair):
         good = ref[i][len(so_far):len(so_far) + t]
         return [(x + 1) % v for x in good] + [0] * (t - len(good))
 
-    eng_plain = Engine(target, None, 0, 0.0, 1.0)
-    eng_spec = Engine(target, None, 5, 0.0, 1.0)
+    eng_plain = Engine(target, None, EngineConfig(num_speculative_tokens=0))
+    eng_spec = Engine(target, None, EngineConfig(num_speculative_tokens=5))
     max_len = 128
-    out_p = eng_plain.run(ps, 12, max_len, set(), lambda o: False, 0)
-    out_s = eng_spec.run(ps, 12, max_len, set(), lambda o: False, 0, proposer=wrong)
-    assert [o[0] for o in out_p] == [o[0] for o in out_s] == ref
-    _assert_same_states(eng_plain.last_caches, eng_spec.last_caches)
+    out_p, caches_p = _run(eng_plain, ps, 12, max_len)
+    out_s, caches_s = _run(eng_spec, ps, 12, max_len, proposer=wrong)
+    assert out_p == out_s == ref
+    _assert_same_states(caches_p, caches_s)
+
+
+def _run(engine, prompts, max_new_tokens, max_len, proposer=None):
+    """Every prompt in one batch; the outputs and the final caches."""
+    batcher = Batcher(engine, len(prompts), max_len, proposer=proposer)
+    reqs = batcher.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(prompts)])
+    return [r.tokens for r in reqs], batcher.caches
 
 
 def _assert_same_states(cp, cs):
@@ -180,13 +191,13 @@ def test_kda_partial_acceptance_states(k3_pair):
             out[k] = (out[k] + 1) % v
         return out
 
-    eng_plain = Engine(target, None, 0, 0.0, 1.0)
-    eng_spec = Engine(target, None, 5, 0.0, 1.0)
-    out_p = eng_plain.run(ps, 25, 128, set(), lambda o: False, 0)
-    out_s = eng_spec.run(ps, 25, 128, set(), lambda o: False, 0, proposer=partial)
-    assert [o[0] for o in out_p] == [o[0] for o in out_s]
+    eng_plain = Engine(target, None, EngineConfig(num_speculative_tokens=0))
+    eng_spec = Engine(target, None, EngineConfig(num_speculative_tokens=5))
+    out_p, caches_p = _run(eng_plain, ps, 25, 128)
+    out_s, caches_s = _run(eng_spec, ps, 25, 128, proposer=partial)
+    assert out_p == out_s
     # the spec run produced the same tokens in fewer steps; the states after them must agree
-    _assert_same_states(eng_plain.last_caches, eng_spec.last_caches)
+    _assert_same_states(caches_p, caches_s)
 
 
 # ------------------------------------------------------------------------------------------------

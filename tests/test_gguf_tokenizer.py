@@ -277,13 +277,20 @@ KIMI_PROMPT = ("<|im_system|>system<|im_middle|>You are a helpful assistant.<|im
                "<|im_assistant|>assistant<|im_middle|>")
 
 
-def write_kimi_dir(path: Path, tokenizer_config: dict | None = None) -> Path:
+def write_kimi_dir(path: Path, tokenizer_config: dict | None = None, config: dict | None = None,
+                   files: dict[str, str] | None = None) -> Path:
+    """A Kimi tokenizer directory: the tiny rank file, optionally tokenizer_config.json, the
+    model's config.json and other files (name -> text)."""
     path.mkdir()
     ranked = [bytes([b]) for b in range(256)] + KIMI_MERGES
     lines = [f"{base64.b64encode(tok).decode()} {rank}" for rank, tok in enumerate(ranked)]
     (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     if tokenizer_config is not None:
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    for name, text in (files or {}).items():
+        (path / name).write_text(text)
     return path
 
 
@@ -297,8 +304,10 @@ def test_kimi_k2_special_token_ids() -> None:
 
 
 def test_kimi_chat_format_and_round_trip(tmp_path: Path) -> None:
-    tok = load_tokenizer(write_kimi_dir(tmp_path / "kimi"))
-    assert isinstance(tok, KimiTokenizer)
+    """A Kimi-K2 directory (config.json says so) without tokenizer_config.json: K2's built-in
+    special tokens and chat format."""
+    tok = load_tokenizer(write_kimi_dir(tmp_path / "kimi", config={"model_type": "kimi_k2"}))
+    assert isinstance(tok, KimiTokenizer) and tok.family == "kimi_k2"
     assert tok.apply_chat_template(SYSTEM_USER, add_generation_prompt=True) == KIMI_PROMPT
     assert tok.apply_chat_template(SYSTEM_USER[1:], add_generation_prompt=False) == \
         "<|im_user|>user<|im_middle|>What is the capital of France?<|im_end|>"
@@ -324,7 +333,97 @@ def test_kimi_directory_config_takes_precedence(tmp_path: Path) -> None:
     tok = load_tokenizer(write_kimi_dir(tmp_path / "k3", cfg))
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == "hello<|end_of_msg|>"
     assert tok.encode("hello<|end_of_msg|>") == [n - 2, n + 2]
-    assert tok.token_to_id("<|im_end|>") is None and tok.eos_token_ids == (n + 1,)
+    # <|end_of_msg|> closes a turn (K3's eos), so it stops generation beside the declared eos
+    assert tok.token_to_id("<|im_end|>") is None and tok.eos_token_ids == (n + 1, n + 2)
+
+
+# Kimi-K3's special tokens at their offsets from the first special id (K3: 163584 + offset; spec
+# A.1 has bos 163584 and eos 163586; the names are those of K3's tokenizer_config.json as recorded
+# in dspark_jax/tokenizer.py). K3's own chat template is not available here, so the K3 tests use
+# a stand-in template written with these tokens; what is tested is that the directory's template
+# is the one rendered and that its markers become single special ids, never K2's format.
+K3_SPECIAL_OFFSETS = {"[BOS]": 0, "<|end_of_msg|>": 2, "<|open|>": 3, "<|close|>": 4, "<|sep|>": 5}
+K3_STAND_IN_TEMPLATE = (
+    "{%- for m in messages -%}<|open|>{{ m.role }}<|sep|>{{ m.content }}<|end_of_msg|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|open|>assistant<|sep|>{%- endif -%}")
+K3_CONFIG = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+             "bos_token_id": KIMI_NUM_RANKS, "eos_token_id": KIMI_NUM_RANKS + 2,
+             "text_config": {"model_type": "kimi_linear", "attn_res_block_size": 12}}
+
+
+def k3_tokenizer_config(names=tuple(K3_SPECIAL_OFFSETS), chat_template: str | None = None) -> dict:
+    n = KIMI_NUM_RANKS
+    cfg = {"added_tokens_decoder": {str(n + K3_SPECIAL_OFFSETS[k]): {"content": k, "special": True}
+                                    for k in names},
+           "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>"}
+    return cfg if chat_template is None else cfg | {"chat_template": chat_template}
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja", "chat_template.json"])
+def test_kimi_k3_chat_template_renders_with_special_ids(tmp_path: Path, where: str) -> None:
+    """A K3 directory: its own template is rendered (from any of the three places transformers
+    saves one) and every marker in the prompt is one special id, not BPE pieces of its text."""
+    files = {"chat_template.jinja": K3_STAND_IN_TEMPLATE,
+             "chat_template.json": json.dumps({"chat_template": K3_STAND_IN_TEMPLATE})}
+    tok = load_tokenizer(write_kimi_dir(
+        tmp_path / "k3", k3_tokenizer_config(chat_template=K3_STAND_IN_TEMPLATE if where == "tokenizer_config.json"
+                                             else None),
+        K3_CONFIG, {where: files[where]} if where in files else None))
+    assert isinstance(tok, KimiTokenizer) and tok.family == "kimi_k3"
+    n = KIMI_NUM_RANKS
+    sid = {k: n + off for k, off in K3_SPECIAL_OFFSETS.items()}
+    text = tok.apply_chat_template(SYSTEM_USER, add_generation_prompt=True)
+    assert text == ("<|open|>system<|sep|>You are a helpful assistant.<|end_of_msg|>"
+                    "<|open|>user<|sep|>What is the capital of France?<|end_of_msg|><|open|>assistant<|sep|>")
+    plain = tok.encode                   # of text without markers: ordinary BPE ids only
+    want = [sid["<|open|>"], *plain("system"), sid["<|sep|>"], *plain("You are a helpful assistant."),
+            sid["<|end_of_msg|>"], sid["<|open|>"], *plain("user"), sid["<|sep|>"],
+            *plain("What is the capital of France?"), sid["<|end_of_msg|>"], sid["<|open|>"], *plain("assistant"),
+            sid["<|sep|>"]]
+    assert all(i < n for i in want if i not in sid.values())
+    ids = tok.encode(text)
+    assert ids == want
+    assert len(tok._enc.encode_ordinary("<|open|>")) > 1      # as plain text a marker is several BPE pieces
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == (
+        "systemYou are a helpful assistant.userWhat is the capital of France?assistant")
+    # no trace of K2: its markers are not tokens of this vocabulary
+    assert all(tok.token_to_id(k) is None for k in ("<|im_user|>", "<|im_end|>", "<|im_middle|>"))
+    assert (tok.bos_token_id, tok.eos_token_ids) == (n, (n + 2,))
+
+
+def test_kimi_k3_directory_without_template_or_special_tokens_is_an_error(tmp_path: Path) -> None:
+    """No fallback to K2: a K3 directory that lacks its chat template, its added_tokens_decoder or
+    a special token its template writes is refused, naming what is missing."""
+    no_template = write_kimi_dir(tmp_path / "no_template", k3_tokenizer_config(), K3_CONFIG)
+    with pytest.raises(ValueError, match=r"no_template: no chat template \(looked for tokenizer_config.json "
+                       r"'chat_template', chat_template.jinja, chat_template.json 'chat_template'\); Kimi-K3's"):
+        load_tokenizer(no_template)
+    no_config = write_kimi_dir(tmp_path / "no_config", None, K3_CONFIG, {"chat_template.jinja": K3_STAND_IN_TEMPLATE})
+    with pytest.raises(ValueError, match=r"no_config/tokenizer_config.json: file missing; Kimi-K3's special tokens"):
+        load_tokenizer(no_config)
+    no_added = write_kimi_dir(tmp_path / "no_added", {"chat_template": K3_STAND_IN_TEMPLATE}, K3_CONFIG)
+    with pytest.raises(ValueError, match=r"no_added/tokenizer_config.json: no added_tokens_decoder"):
+        load_tokenizer(no_added)
+    no_sep = write_kimi_dir(tmp_path / "no_sep", k3_tokenizer_config(
+        names=[k for k in K3_SPECIAL_OFFSETS if k != "<|sep|>"], chat_template=K3_STAND_IN_TEMPLATE), K3_CONFIG)
+    with pytest.raises(ValueError, match=r"its chat template writes <\|sep\|>, which .*added_tokens_decoder"):
+        load_tokenizer(no_sep)
+    bad_eos = write_kimi_dir(tmp_path / "bad_eos", k3_tokenizer_config(chat_template=K3_STAND_IN_TEMPLATE)
+                             | {"eos_token": "<|im_end|>"}, K3_CONFIG)
+    with pytest.raises(ValueError, match=r"eos_token '<\|im_end\|>' is not a special token"):
+        load_tokenizer(bad_eos)
+    # a plain-layout K3 config (model_type kimi_linear + K3 keys) is K3 too; an undeclared
+    # directory (no config.json) gets no K2 defaults either
+    plain_k3 = {"model_type": "kimi_linear", "attn_res_block_size": 12}
+    for name, cfg in (("plain_k3", plain_k3), ("undeclared", None)):
+        with pytest.raises(ValueError, match=f"{name}/tokenizer_config.json: file missing"):
+            load_tokenizer(write_kimi_dir(tmp_path / name, None, cfg))
+    # a K3 directory whose template is K2's format: K2's markers are not K3 special tokens
+    k2_format = write_kimi_dir(tmp_path / "k2_format", k3_tokenizer_config(chat_template="<|im_user|>{{ x }}"
+                                                                            "<|im_end|>"), K3_CONFIG)
+    with pytest.raises(ValueError, match=r"writes <\|im_end\|>, <\|im_user\|>"):
+        load_tokenizer(k2_format)
 
 
 def test_load_tokenizer_needs_tokenizer_files(tmp_path: Path) -> None:

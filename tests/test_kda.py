@@ -1,5 +1,7 @@
-"""KDA layer (spec A.5.3): parity with transformers' Kimi-Linear, chunked == recurrent, state
-continuation, per-token snapshots, the K3 bounded gate, right-padded batches and head sharding."""
+"""KDA layer (spec A.5.3): parity with transformers' Kimi-Linear and, for the K3 bounded "safe"
+forget gate, with transformers' Glm5Next KDA layer (the same gate; float64 on both sides),
+chunked == recurrent, state continuation, per-token snapshots, the K3 layer against a numpy
+transcription of the spec, right-padded batches and head sharding."""
 
 from __future__ import annotations
 
@@ -16,26 +18,30 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import KimiConfig
-from dspark_jax.layers.kda import KDAState, KimiDeltaAttention
+from dspark_jax.layers.kda import KDAState, KimiDeltaAttention, kda_gate
 from dspark_jax.params import flat_params
+from tests.float64 import TorchFloat64, assert_close, x64
 
 D = 32
 
 
-def tiny_cfg(k3: bool, heads: int = 2, head_dim: int = 16) -> KimiConfig:
+def tiny_cfg(k3: bool, heads: int = 2, head_dim: int = 16, *, bounded: bool | None = None) -> KimiConfig:
+    """`k3`: the K3 bounded gate (lower bound -5) and full-rank output gate; `bounded` overrides
+    the gate alone (the bounded gate with Kimi-Linear's low-rank output gate is GLM-5-Next's KDA)."""
+    bounded = k3 if bounded is None else bounded
     return KimiConfig.from_dict(dict(
         vocab_size=64, hidden_size=D, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         rms_norm_eps=1e-5,
         linear_attn_config=dict(num_heads=heads, head_dim=head_dim, short_conv_kernel_size=4,
-                                gate_lower_bound=-5.0 if k3 else None, use_full_rank_gate=k3,
+                                gate_lower_bound=-5.0 if bounded else None, use_full_rank_gate=k3,
                                 kda_layers=[1], full_attn_layers=[])))
 
 
-def make_layer(k3: bool, seed: int = 0, **kw) -> KimiDeltaAttention:
+def make_layer(k3: bool, seed: int = 0, dtype=jnp.float32, **kw) -> KimiDeltaAttention:
     """A layer with O(1) activations: projections ~ N(0, 1/fan_in) instead of the 0.02 init (so the
     q/k/v/gate paths all matter numerically) and a non-trivial o_norm weight."""
-    layer = KimiDeltaAttention(tiny_cfg(k3, **kw), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    layer = KimiDeltaAttention(tiny_cfg(k3, **kw), dtype=dtype, rngs=nnx.Rngs(seed))
     key = jax.random.key(seed + 100)
     for name, p in flat_params(layer).items():
         key, sub = jax.random.split(key)
@@ -62,8 +68,8 @@ def run(layer, x, state=None, *, mode="chunked", chunk_size=16, valid=None, snap
     return _jitted(graphdef, mode, chunk_size, snaps)(params, x, state, valid)
 
 
-def inputs(b, t, seed=1):
-    return jax.random.normal(jax.random.key(seed), (b, t, D), jnp.float32)
+def inputs(b, t, seed=1, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), (b, t, D), jnp.float32).astype(dtype)
 
 
 def random_state(layer, b, seed=2):
@@ -89,30 +95,79 @@ TOL_FORMS = 5e-6
 TOL_CONV = 1e-6
 
 
+def _load_into_transformers(layer: KimiDeltaAttention, ref, a_log: str) -> None:
+    """Our weights into a transformers KDA layer: q|k|v convs stacked into one `conv1d`, the gate
+    projections under `forget_gate.`; `a_log="hf"` keeps A_log as stored, `"unpadded"` passes
+    only the H real entries of K3's zero-padded vector (GLM-5-Next stores A_log as [H])."""
+    import torch
+
+    ours = {k: np.asarray(v.get_value()) for k, v in flat_params(layer).items()}
+    theirs = dict(ours)
+    theirs["conv1d.weight"] = np.concatenate([theirs.pop(f"{c}_conv1d.weight") for c in "qkv"])
+    if a_log == "unpadded":
+        theirs["A_log"] = theirs["A_log"][:layer.num_heads]
+    for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+        theirs[f"forget_gate.{n}"] = theirs.pop(n)
+    missing, unexpected = ref.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in theirs.items()})
+    assert not missing and not unexpected
+
+
 def test_matches_transformers_kimi_linear():
+    """Float64 on both sides (tests/float64.py): transformers' chunk recurrence casts to float32
+    internally, TorchFloat64 makes those casts float64. Measured <= 1e-14 relative."""
     import torch
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
-    layer = make_layer(k3=False)
     hf_cfg = KimiLinearConfig(hidden_size=D, num_hidden_layers=1, layer_types=["linear_attention"],
                               linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4,
                               rms_norm_eps=1e-5, hidden_act="silu")
-    ref = KimiLinearDeltaAttention(hf_cfg, layer_idx=0).float().eval()
-    ours = {k: np.asarray(v.get_value()) for k, v in flat_params(layer).items()}
-    theirs = dict(ours)
-    theirs["conv1d.weight"] = np.concatenate([theirs.pop(f"{c}_conv1d.weight") for c in "qkv"])
-    for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
-        theirs[f"forget_gate.{n}"] = theirs.pop(n)
-    missing, unexpected = ref.load_state_dict({k: torch.from_numpy(v) for k, v in theirs.items()})
-    assert not missing and not unexpected
+    ref = KimiLinearDeltaAttention(hf_cfg, layer_idx=0).double().eval()
+    with x64():
+        layer = make_layer(k3=False, dtype=jnp.float64)
+        _load_into_transformers(layer, ref, a_log="hf")
+        x = inputs(2, 150, dtype=jnp.float64)   # > 2 chunks of the default 64, T not a multiple of it
+        with torch.no_grad(), TorchFloat64():
+            want = ref(torch.from_numpy(np.asarray(x)))
+        assert_close(run(layer, x, chunk_size=64)[0], want, "chunked(64) vs transformers")
+        assert_close(run(layer, x, mode="recurrent")[0], want, "recurrent vs transformers")
 
-    x = inputs(2, 150)   # > 2 chunks of the default 64, T not a multiple of it
-    with torch.no_grad():
-        want = ref(torch.from_numpy(np.asarray(x))).numpy()
-    # Same fp32 algorithm in two frameworks: observed 1.4e-6 relative.
-    close(run(layer, x, chunk_size=64)[0], want, 1e-5, "chunked(64) vs transformers")
-    close(run(layer, x, mode="recurrent")[0], want, 1e-5, "recurrent vs transformers")
+
+def _glm5_next_layer():
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
+
+    hf_cfg = Glm5NextTextConfig(hidden_size=D, num_hidden_layers=1, layer_types=["linear_attention"],
+                                linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4,
+                                linear_lower_bound=-5.0, rms_norm_eps=1e-5, hidden_act="silu")
+    return Glm5NextTextLinearAttention(hf_cfg, layer_idx=0).double().eval()
+
+
+def test_bounded_gate_matches_transformers_glm5_next():
+    """The K3 "safe" forget gate g = lb * sigmoid(exp(A_log) * (f + dt_bias)) (lb = -5) against an
+    independent implementation of it: transformers' Glm5NextTextForgetGate, alone and inside
+    Glm5Next's whole KDA layer (which is ours with the bounded gate and the low-rank output gate;
+    GLM-5-Next stores A_log unpadded, [H]). Float64 on both sides; measured <= 1e-14 relative."""
+    import torch
+
+    ref = _glm5_next_layer()
+    with x64():
+        layer = make_layer(k3=False, bounded=True, dtype=jnp.float64)
+        assert layer.lower_bound == -5.0 and not layer.full_rank_gate
+        assert layer.A_log.get_value().shape == (128,)           # K3 layout: zero-padded to 128
+        _load_into_transformers(layer, ref, a_log="unpadded")
+        x = inputs(2, 150, dtype=jnp.float64)
+        xt = torch.from_numpy(np.asarray(x))
+        with torch.no_grad(), TorchFloat64():
+            g_ref = ref.forget_gate(xt)
+            want = ref(xt)
+        graw = layer.f_b_proj(layer.f_a_proj(x)).reshape(2, 150, 2, 16)
+        g = kda_gate(graw, layer.A_log.get_value()[:2], layer.dt_bias.get_value().reshape(2, 16), -5.0)
+        assert_close(g, g_ref, "bounded forget gate vs Glm5NextTextForgetGate")
+        # the bound matters: some channels decay almost as fast as allowed, others barely
+        assert float(jnp.min(g)) < -4.0 and float(jnp.max(g)) > -0.1
+        assert_close(run(layer, x, chunk_size=64)[0], want, "chunked(64) vs Glm5Next KDA layer")
+        assert_close(run(layer, x, mode="recurrent")[0], want, "recurrent vs Glm5Next KDA layer")
 
 
 def test_chunked_equals_token_by_token_and_continuation():
@@ -193,14 +248,17 @@ def _numpy_k3_reference(p: dict, x: np.ndarray, h: int, hd: int, lb: float, eps:
 
 
 def test_k3_gate_against_numpy_spec():
-    layer = make_layer(k3=True)
-    p = {k: np.asarray(v.get_value(), np.float64) for k, v in flat_params(layer).items()}
-    assert p["A_log"].shape == (128,) and np.all(p["A_log"][2:] == 0) and np.all(p["A_log"][:2] > 0)
-    assert "g_proj.weight" in p and "g_a_proj.weight" not in p
-    x = inputs(2, 40)
-    want = _numpy_k3_reference(p, np.asarray(x), 2, 16, -5.0, 1e-5)
-    # fp32 vs a float64 reference: observed 4e-7 relative
-    close(run(layer, x)[0], want, 1e-5, "chunked vs numpy spec")
+    """The K3 layer (bounded gate, full-rank output gate) vs spec A.5.3 written out in numpy,
+    float64 on both sides (tests/float64.py)."""
+    with x64():
+        layer = make_layer(k3=True, dtype=jnp.float64)
+        p = {k: np.asarray(v.get_value(), np.float64) for k, v in flat_params(layer).items()}
+        assert p["A_log"].shape == (128,) and np.all(p["A_log"][2:] == 0) and np.all(p["A_log"][:2] > 0)
+        assert "g_proj.weight" in p and "g_a_proj.weight" not in p
+        x = inputs(2, 40, dtype=jnp.float64)
+        want = _numpy_k3_reference(p, np.asarray(x), 2, 16, -5.0, 1e-5)
+        assert_close(run(layer, x)[0], want, "chunked vs numpy spec")
+        assert_close(run(layer, x, mode="recurrent")[0], want, "recurrent vs numpy spec")
     # the gate really is bounded: strong decays in some channels, weak in others
     graw = np.asarray(x) @ p["f_a_proj.weight"].T @ p["f_b_proj.weight"].T
     g = -5.0 / (1 + np.exp(-np.exp(p["A_log"][:2]).repeat(16) * (graw + p["dt_bias"])))

@@ -330,3 +330,61 @@ def test_dispatch_routes_to_kernel_and_reference():
         got = run()
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(g, w, TOL_F32, "dispatch")
+
+
+def test_mla_paged_auto_crossover(monkeypatch):
+    """`auto` on a GPU runs the paged MLA kernel only for spans (block-table pages x page size)
+    of at least `mla_paged_min_keys()` keys, the reference below; the numbers are the same either
+    way. The GPU is simulated: `_on_gpu` patched, the kernel then run in interpret mode."""
+    from dspark_jax.kernels import mla_paged
+
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.delenv(dispatch.MLA_PAGED_MIN_KEYS_ENV, raising=False)
+    # pages of 16 (a GPU compile needs dims >= 16), 2 sequences of 3 rows after 9 / 27 tokens
+    rng = np.random.default_rng(11)
+    pages = np.asarray(_normal(rng, (2, 6, 16, C + R)).astype(FP8))
+    q_lat, q_rope = _normal(rng, (2, 3, N, C), scale=0.5), _normal(rng, (2, 3, N, R), scale=0.5)
+    positions = (np.array([9, 27])[:, None] + np.arange(3)[None]).astype(np.int32)
+    short = np.array([[4, 1], [0, 5]], np.int32)             # 2 pages of 16: a span of 32 keys
+    long = np.concatenate([short, short[::-1]], axis=1)      # 64 keys (the extra ones masked)
+    calls = []
+    real_kernel = mla_paged.mla_paged_kernel
+
+    def kernel(*args, interpret, **kw):
+        calls.append(interpret)
+        return real_kernel(*args, interpret=True, **kw)
+
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mla_paged, "mla_paged_kernel", kernel)
+
+    def run(tbl):
+        del calls[:]
+        out = dispatch.mla_paged_attention(q_lat, q_rope, pages, tbl, positions, 0.3, causal=True, row=1)
+        return out, ("kernel" if calls else "reference")
+
+    want = mla_paged_reference(q_lat, q_rope, pages, short, positions, 0.3, causal=True, row=1)
+    with dispatch.use_kernels("auto"):
+        assert dispatch.mla_paged_min_keys() == mla_paged.AUTO_MIN_KEYS == 32768
+        assert run(long)[1] == "reference"                   # 64 keys << the H200 crossover
+        with dispatch.mla_paged_min_keys_override(64):
+            got_short, route_short = run(short)
+            got_long, route_long = run(long)
+        assert (route_short, route_long) == ("reference", "kernel")
+        assert calls == [False]                              # a GPU compile: no interpret flag
+        _close(got_short, want, TOL_F32, "below the crossover")
+        _close(got_long, want, TOL_F32, "above the crossover")
+        monkeypatch.setenv(dispatch.MLA_PAGED_MIN_KEYS_ENV, "32")   # the bound is inclusive
+        assert dispatch.mla_paged_min_keys() == 32 and run(short)[1] == "kernel"
+        with dispatch.mla_paged_min_keys_override(33):       # the override beats the env var
+            assert run(short)[1] == "reference"
+        monkeypatch.setenv(dispatch.MLA_PAGED_MIN_KEYS_ENV, "4k")
+        with pytest.raises(ValueError, match="DSPARK_MLA_PAGED_MIN_KEYS='4k'"):
+            run(short)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        with dispatch.mla_paged_min_keys_override(-1):
+            pass
+    monkeypatch.delenv(dispatch.MLA_PAGED_MIN_KEYS_ENV)
+    with dispatch.use_kernels("on"), dispatch.mla_paged_min_keys_override(10 ** 9):
+        assert run(short)[1] == "kernel"                     # "on" forces the kernel at any span
+    with dispatch.use_kernels("off"), dispatch.mla_paged_min_keys_override(0):
+        assert run(long)[1] == "reference"

@@ -3,6 +3,7 @@ streaming loader (errors, stacked experts, sharding)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from dspark_jax.checkpoint import safetensors_io
 from dspark_jax.checkpoint.loader import expert_tensor_name, load_state
 from dspark_jax.models.llama import LlamaModel, load_llama
 from dspark_jax.params import flat_params, param
+from tests.float64 import TorchFloat64, assert_close, share_rope_table, x64
 
 N_LAYERS, VOCAB = 3, 64
 
@@ -67,50 +69,58 @@ def _jit_forward(model, tokens, aux_layer_ids=(), **kw):
     return fn(model, jnp.asarray(tokens), kw)
 
 
+def _float64_pair(hf_model, d):
+    """Our model loaded in float64 (call under x64) and a float64 copy of the torch model, sharing
+    one float32 RoPE frequency table (tests/float64.py)."""
+    model = load_llama(d, dtype=jnp.float64)
+    ref = copy.deepcopy(hf_model).double()
+    share_rope_table(ref.model.rotary_emb, model.model.layers[0].self_attn.rope)
+    return model, ref
+
+
 def test_matches_transformers(hf):
+    """Float64 on both sides (tests/float64.py: transformers' RMSNorm, softmax and RoPE angles are
+    float32 inside a double model; TorchFloat64 makes them float64)."""
     hf_model, d = hf
-    model = load_llama(d)
-    assert ("lm_head.weight" in flat_params(model)) == (not hf_model.config.tie_word_embeddings)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 11))
+    with x64():
+        model, hf64 = _float64_pair(hf_model, d)
+        assert ("lm_head.weight" in flat_params(model)) == (not hf_model.config.tie_word_embeddings)
+        layer_outs = []
+        for layer in hf64.model.layers:
+            layer.register_forward_hook(
+                lambda mod, args, out: layer_outs.append(out[0] if isinstance(out, tuple) else out))
+        with torch.no_grad(), TorchFloat64():
+            ref = hf64(torch.as_tensor(tokens), output_hidden_states=True)
+        out = _jit_forward(model, tokens, tuple(range(N_LAYERS)))
+        aux = np.asarray(out.aux_hidden).reshape(2, 11, N_LAYERS, 32)
+        for l in range(N_LAYERS):
+            assert_close(aux[:, :, l], layer_outs[l], f"layer {l}")
+            if l < N_LAYERS - 1:   # HF's last hidden_states entry is post-norm, not the layer output
+                assert_close(aux[:, :, l], ref.hidden_states[l + 1], f"hidden_states[{l + 1}]")
+        assert_close(np.asarray(out.final_hidden), ref.hidden_states[-1], "final hidden")
+        assert_close(np.asarray(out.logits), ref.logits, "logits")
 
-    layer_outs = []
-    for layer in hf_model.model.layers:
-        layer.register_forward_hook(lambda mod, args, out: layer_outs.append(out[0] if isinstance(out, tuple) else out))
-    with torch.no_grad():
-        ref = hf_model(torch.as_tensor(tokens), output_hidden_states=True)
-    out = _jit_forward(model, tokens, tuple(range(N_LAYERS)))
-
-    # f32 on both sides, differing only in matmul blocking/summation order. Measured max abs
-    # error: 6e-6 on layer outputs of magnitude ~10, 1.7e-5 on tied logits of magnitude ~27;
-    # 1e-4 (rel+abs) leaves margin while a real mistake (rope pairing, GQA grouping, mask, eps,
-    # norm weight) is off by O(1).
-    tol = dict(rtol=1e-4, atol=1e-4)
-    aux = np.asarray(out.aux_hidden).reshape(2, 11, N_LAYERS, 32)
-    for l in range(N_LAYERS):
-        np.testing.assert_allclose(aux[:, :, l], layer_outs[l].numpy(), **tol, err_msg=f"layer {l}")
-        if l < N_LAYERS - 1:   # HF's last hidden_states entry is post-norm, not the layer output
-            np.testing.assert_allclose(aux[:, :, l], ref.hidden_states[l + 1].numpy(), **tol)
-    np.testing.assert_allclose(out.final_hidden, ref.hidden_states[-1].numpy(), **tol)
-    np.testing.assert_allclose(out.logits, ref.logits.numpy(), **tol)
-
-    head = model.model.embed_tokens.weight if hf_model.config.tie_word_embeddings else model.lm_head.weight
-    np.testing.assert_allclose(np.asarray(out.final_hidden) @ np.asarray(head.get_value()).T,
-                               out.logits, rtol=1e-5, atol=1e-5)
+        head = model.model.embed_tokens.weight if hf_model.config.tie_word_embeddings else model.lm_head.weight
+        assert_close(np.asarray(out.final_hidden) @ np.asarray(head.get_value()).T, np.asarray(out.logits),
+                     "final_hidden @ head")
 
 
 def test_padded_forward_matches_transformers(hf):
-    """Left padding through valid_BS + shifted positions equals HF with an attention mask."""
+    """Left padding through valid_BS + shifted positions equals HF with an attention mask (float64
+    on both sides, tests/float64.py)."""
     hf_model, d = hf
-    model = load_llama(d)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 8))
     valid = np.ones((2, 8), bool)
     valid[1, :3] = False
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
-    with torch.no_grad():
-        ref = hf_model(torch.as_tensor(tokens), attention_mask=torch.as_tensor(valid.astype(np.int64)),
+    with x64():
+        model, hf64 = _float64_pair(hf_model, d)
+        with torch.no_grad(), TorchFloat64():
+            ref = hf64(torch.as_tensor(tokens), attention_mask=torch.as_tensor(valid.astype(np.int64)),
                        position_ids=torch.as_tensor(positions)).logits.numpy()
-    out = _jit_forward(model, tokens, positions_BS=jnp.asarray(positions), valid_BS=jnp.asarray(valid))
-    np.testing.assert_allclose(np.asarray(out.logits)[valid], ref[valid], rtol=1e-4, atol=1e-4)
+        out = _jit_forward(model, tokens, positions_BS=jnp.asarray(positions), valid_BS=jnp.asarray(valid))
+        assert_close(np.asarray(out.logits)[valid], ref[valid], "left-padded logits")
 
 
 def test_paged_steps_match_cacheless(untied_dir):
@@ -118,7 +128,7 @@ def test_paged_steps_match_cacheless(untied_dir):
     token-by-token decode, then a 3-token verify step: every real token's logits/aux equal the
     cacheless forward."""
     from dspark_jax import steps
-    from dspark_jax.cache import PagedPool
+    from dspark_jax.cache import PagedPool, TargetCaches
 
     model = load_llama(untied_dir)
     cfg = model.cfg
@@ -139,7 +149,7 @@ def test_paged_steps_match_cacheless(untied_dir):
 
     pool = PagedPool.create(cfg.num_hidden_layers, len(lengths), max_len, 4,
                             2 * cfg.num_key_value_heads * cfg.head_dim, jnp.float32)
-    caches = steps.TargetCaches(pool, None)
+    caches = TargetCaches(pool, None)
     t0 = max(lengths)
     tok = np.zeros((2, t0), np.int64)
     pos = np.tile(np.arange(t0), (2, 1))

@@ -23,6 +23,7 @@ from dspark_jax.layers.mlp import GLUMLP, situ
 from dspark_jax.layers.moe import MoE, route
 from dspark_jax.layers.mxfp4 import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize
 from dspark_jax.params import flat_params
+from tests.float64 import TorchFloat64, assert_close, x64
 
 D = 32
 MXFP4 = dict(quant_method="compressed-tensors", format="mxfp4-pack-quantized",
@@ -109,10 +110,10 @@ def hf_kimi_config(cfg: KimiConfig):
 
 def copy_into_hf_moe(hf_moe, w: dict[str, np.ndarray]) -> None:
     """Our stacked w1/w3/w2 -> transformers' fused `gate_up_proj [E, 2I, D]` (gate first) and
-    `down_proj [E, D, I]`."""
+    `down_proj [E, D, I]` (in the torch module's dtype)."""
     import torch
 
-    t = lambda a: torch.tensor(a, dtype=torch.float32)
+    t = lambda a: torch.tensor(a, dtype=hf_moe.gate.weight.dtype)
     with torch.no_grad():
         hf_moe.gate.weight.copy_(t(w["gate.weight"]))
         hf_moe.gate.e_score_correction_bias.copy_(t(w["gate.e_score_correction_bias"]))
@@ -124,32 +125,32 @@ def copy_into_hf_moe(hf_moe, w: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
 def test_kimi_linear_moe_matches_transformers(n_group, topk_group):
+    """Float64 on both sides (tests/float64.py; transformers' router casts to float32, TorchFloat64
+    makes that float64). Measured <= 1e-15 relative on the weights and outputs."""
     import torch
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 
     cfg = kimi_cfg(num_expert_group=n_group, topk_group=topk_group)
-    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    w = randomize(moe, seed=1)
-    hf = KimiLinearMoE(hf_kimi_config(cfg)).float().eval()
-    copy_into_hf_moe(hf, w)
-    x = np.random.default_rng(2).standard_normal((2, 24, D)).astype(np.float32)
-    assert unbiased_choice_differs(moe, x)
+    hf = KimiLinearMoE(hf_kimi_config(cfg)).double().eval()
+    with x64():
+        moe = MoE(cfg, dtype=jnp.float64, rngs=nnx.Rngs(0))
+        w = randomize(moe, seed=1)
+        copy_into_hf_moe(hf, w)
+        x = np.random.default_rng(2).standard_normal((2, 24, D))
+        assert unbiased_choice_differs(moe, x)
 
-    with torch.no_grad():
-        _, hf_w, hf_idx = hf.gate(torch.tensor(x))
-        y_hf = hf(torch.tensor(x)).numpy()
-    idx, weights = jit_route(apply(moe.gate, jnp.asarray(x.reshape(-1, D))),
-                             moe.gate.e_score_correction_bias.get_value(), cfg)
-    # same expert sets and weights (transformers' top-k is unsorted: compare sorted by expert id)
-    order, hf_order = np.argsort(np.asarray(idx), -1), np.argsort(hf_idx.numpy(), -1)
-    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1),
-                                  np.take_along_axis(hf_idx.numpy(), hf_order, -1))
-    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
-                               np.take_along_axis(hf_w.numpy(), hf_order, -1), rtol=1e-6, atol=1e-7)
-
-    y = np.asarray(apply(moe, jnp.asarray(x)))
-    # fp32 on both sides; only the order of the expert sums differs (outputs are O(1))
-    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5)
+        with torch.no_grad(), TorchFloat64():
+            _, hf_w, hf_idx = hf.gate(torch.tensor(x))
+            y_hf = hf(torch.tensor(x))
+        idx, weights = jit_route(apply(moe.gate, jnp.asarray(x.reshape(-1, D))),
+                                 moe.gate.e_score_correction_bias.get_value(), cfg)
+        # same expert sets and weights (transformers' top-k is unsorted: compare sorted by expert id)
+        order, hf_order = np.argsort(np.asarray(idx), -1), np.argsort(hf_idx.numpy(), -1)
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1),
+                                      np.take_along_axis(hf_idx.numpy(), hf_order, -1))
+        assert_close(np.take_along_axis(np.asarray(weights), order, -1),
+                     np.take_along_axis(hf_w.numpy(), hf_order, -1), "combine weights")
+        assert_close(np.asarray(apply(moe, jnp.asarray(x))), y_hf, "MoE output")
 
 
 def test_transformers_save_pretrained_expert_layout(tmp_path):
@@ -165,6 +166,7 @@ def test_transformers_save_pretrained_expert_layout(tmp_path):
     cfg = kimi_cfg(num_experts=4)
     torch.manual_seed(0)
     hf = KimiLinearForCausalLM(hf_kimi_config(cfg)).float().eval()
+    hf.set_experts_implementation("eager")       # the default grouped_mm has no float64 kernel
     hf.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     pre = "model.layers.1.block_sparse_moe."
@@ -181,19 +183,20 @@ def test_transformers_save_pretrained_expert_layout(tmp_path):
         np.testing.assert_array_equal(saved[f"{pre}experts.{e}.w3.weight"], gate_up[e, inter:])
         assert saved[f"{pre}experts.{e}.w2.weight"].shape == (D, inter)
 
-    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    params = flat_params(moe)
-    for name, p in params.items():
-        if name.startswith("experts."):
-            j = name.split(".")[1]
-            p.set_value(jnp.stack([saved[f"{pre}experts.{e}.{j}.weight"] for e in range(4)]))
-        else:
-            p.set_value(jnp.asarray(saved[pre + name]))
-    x = np.random.default_rng(3).standard_normal((1, 16, D)).astype(np.float32)
-    with torch.no_grad():
-        y_hf = hf.model.layers[1].mlp(torch.tensor(x)).numpy()
-    # torch's 0.02-std init: tiny outputs, so a tight absolute tolerance
-    np.testing.assert_allclose(np.asarray(apply(moe, jnp.asarray(x))), y_hf, rtol=1e-5, atol=1e-7)
+    hf_mlp = hf.model.layers[1].mlp.double()
+    x = np.random.default_rng(3).standard_normal((1, 16, D))
+    with torch.no_grad(), TorchFloat64():
+        y_hf = hf_mlp(torch.tensor(x))
+    with x64():                                  # float64 both sides (tests/float64.py)
+        moe = MoE(cfg, dtype=jnp.float64, rngs=nnx.Rngs(0))
+        params = flat_params(moe)
+        for name, p in params.items():
+            if name.startswith("experts."):
+                j = name.split(".")[1]
+                p.set_value(jnp.stack([saved[f"{pre}experts.{e}.{j}.weight"] for e in range(4)]).astype(jnp.float64))
+            else:
+                p.set_value(jnp.asarray(saved[pre + name], jnp.float64))
+        assert_close(np.asarray(apply(moe, jnp.asarray(x))), y_hf, "MoE from the save_pretrained tensors")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,8 +240,14 @@ def np_k3_moe(x, w, cfg: KimiConfig):
 
 @pytest.mark.parametrize("use_norm,renorm", [(True, True), (False, False)])
 def test_k3_latent_situ_moe_matches_spec(use_norm, renorm):
+    """Float64 on both sides (tests/float64.py)."""
+    with x64():
+        _k3_latent_situ_moe_check(use_norm, renorm)
+
+
+def _k3_latent_situ_moe_check(use_norm, renorm):
     cfg = k3_cfg(latent_moe_use_norm=use_norm, moe_renormalize=renorm)
-    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    moe = MoE(cfg, dtype=jnp.float64, rngs=nnx.Rngs(0))
     w = randomize(moe, seed=4, std=0.4)
     names = set(w)
     assert ("routed_expert_norm.weight" in names) == use_norm
@@ -246,13 +255,12 @@ def test_k3_latent_situ_moe_matches_spec(use_norm, renorm):
             "shared_experts.gate_proj.weight"} <= names
     assert w["experts.w1.weight"].shape == (8, 32, 32) and w["experts.w2.weight"].shape == (8, 32, 32)
     assert w["shared_experts.gate_proj.weight"].shape == (64, D)
-    x = np.random.default_rng(5).standard_normal((2, 20, D)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((2, 20, D))
     assert unbiased_choice_differs(moe, x)
     y = np.asarray(apply(moe, jnp.asarray(x))).reshape(-1, D)
     ref = np_k3_moe(x, w, cfg)
     assert np.abs(ref).max() > 1.0
-    # fp32 vs float64 through ~5 matmuls of width <= 64 and an RMS norm: ~1e-6 relative
-    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5)
+    assert_close(y, ref, "K3 latent SiTU MoE vs numpy spec")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,25 +370,28 @@ def test_situ_matches_numpy():
 
 
 def test_glu_mlp_silu_matches_transformers_and_situ_matches_numpy():
+    """Float64 on both sides (tests/float64.py)."""
     import torch
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMLP
 
     cfg = kimi_cfg()
-    mlp = GLUMLP(D, 48, act="silu", dtype=jnp.float32, rngs=nnx.Rngs(0))
-    w = randomize(mlp, seed=10)
-    hf = KimiLinearMLP(hf_kimi_config(cfg), intermediate_size=48).float()
-    with torch.no_grad():
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            getattr(hf, n).weight.copy_(torch.tensor(w[f"{n}.weight"], dtype=torch.float32))
-    x = np.random.default_rng(11).standard_normal((3, 5, D)).astype(np.float32)
-    with torch.no_grad():
-        y_hf = hf(torch.tensor(x)).numpy()
-    np.testing.assert_allclose(np.asarray(apply(mlp, jnp.asarray(x))), y_hf, rtol=1e-5, atol=1e-5)
+    hf = KimiLinearMLP(hf_kimi_config(cfg), intermediate_size=48).double()
+    with x64():
+        mlp = GLUMLP(D, 48, act="silu", dtype=jnp.float64, rngs=nnx.Rngs(0))
+        w = randomize(mlp, seed=10)
+        with torch.no_grad():
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                getattr(hf, n).weight.copy_(torch.tensor(w[f"{n}.weight"], dtype=torch.float64))
+        x = np.random.default_rng(11).standard_normal((3, 5, D))
+        with torch.no_grad(), TorchFloat64():
+            y_hf = hf(torch.tensor(x))
+        assert_close(np.asarray(apply(mlp, jnp.asarray(x))), y_hf, "SwiGLU MLP vs transformers")
 
-    mlp_s = GLUMLP(D, 48, act="situ", situ_beta=4.0, situ_linear_beta=25.0, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    w = randomize(mlp_s, seed=12, std=1.0)                   # gate values well past +-4: SiTU saturates
-    ref = np_situ(x @ w["gate_proj.weight"].T, x @ w["up_proj.weight"].T) @ w["down_proj.weight"].T
-    np.testing.assert_allclose(np.asarray(apply(mlp_s, jnp.asarray(x))), ref, rtol=1e-5, atol=1e-4)
+        mlp_s = GLUMLP(D, 48, act="situ", situ_beta=4.0, situ_linear_beta=25.0, dtype=jnp.float64,
+                       rngs=nnx.Rngs(0))
+        w = randomize(mlp_s, seed=12, std=1.0)                   # gate values well past +-4: SiTU saturates
+        ref = np_situ(x @ w["gate_proj.weight"].T, x @ w["up_proj.weight"].T) @ w["down_proj.weight"].T
+        assert_close(np.asarray(apply(mlp_s, jnp.asarray(x))), ref, "SiTU MLP vs numpy")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,12 +420,10 @@ def attn_res_inputs(nb: int, seed: int, h: int = 64):
 @pytest.mark.parametrize("nb", [1, 2, 5, 9])
 def test_attn_res_matches_numpy(nb):
     prefix, blocks, proj, norm = attn_res_inputs(nb, seed=nb)
-    f32 = lambda a: jnp.asarray(a, jnp.float32)
-    out = jit_attn_res(f32(prefix), f32(blocks), f32(proj), f32(norm), 1e-5)
-    assert out.shape == prefix.shape and out.dtype == jnp.float32
-    ref = np_attn_res(*(np.asarray(f32(a), np.float64) for a in (prefix, blocks, proj, norm)), 1e-5)
-    # fp32 RMS/softmax/weighted sum of O(10) values
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+    with x64():                                  # float64 both sides (tests/float64.py)
+        out = jit_attn_res(*(jnp.asarray(a, jnp.float64) for a in (prefix, blocks, proj, norm)), 1e-5)
+        assert out.shape == prefix.shape
+        assert_close(np.asarray(out), np_attn_res(prefix, blocks, proj, norm, 1e-5), "AttnRes mix")
 
     # bf16 in (the real model): fp32 inside, bf16 out -> one bf16 rounding of the fp32 result
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)

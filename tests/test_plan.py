@@ -20,7 +20,8 @@ from dspark_jax import params as params_lib
 from dspark_jax import plan as plan_lib
 from dspark_jax import sharding
 from dspark_jax.config import DraftConfig, KimiConfig
-from dspark_jax.generate import Engine
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
 from dspark_jax.models.kimi import KimiLinearModel
 from tests.gen_utils import randomize, tiny_draft
 from tests.kimi_configs import tiny_k3_dict
@@ -77,8 +78,9 @@ def test_full_k3_shards_as_intended_abstractly():
 def test_tiny_plan_compiles_and_accounts_memory():
     cfg_d, draft_d = _tiny_configs()
     cfg, dcfg = KimiConfig.from_dict(cfg_d), DraftConfig.from_dict(draft_d)
-    shape = plan_lib.ServingShape(num_devices=8, max_model_len=256, max_num_seqs=2, kv_cache_dtype="fp8",
-                                  block_size=16, prefill_chunk=64, num_speculative_tokens=3)
+    config = EngineConfig(num_speculative_tokens=3, kv_cache_dtype="fp8", page_size=16, max_num_seqs=2,
+                          max_model_len=256)
+    shape = plan_lib.ServingShape(num_devices=8, engine=config, prefill_chunk=64)
     plan = plan_lib.build_plan(cfg, dcfg, shape, programs=("step", "propose"))   # prefill: the CLI test
     assert [p.name for p in plan.programs] == ["step", "propose"]
     by_name = {g.name: g for g in plan.caches}
@@ -110,13 +112,13 @@ def test_prefill_chunks_equal_one_whole_prefill():
     target = KimiLinearModel(KimiConfig.from_dict(d), dtype=jnp.float32, rngs=nnx.Rngs(0))
     randomize(target, 0)
     draft = tiny_draft(target, seed=1, layer_ids=(0, 2))
-    eng = Engine(target, draft, 3, kv_cache_dtype="auto", page_size=8)
+    eng = Engine(target, draft, EngineConfig(num_speculative_tokens=3, page_size=8))
     prompt = np.random.default_rng(2).integers(3, 90, 20).astype(np.int32)
     slot = jnp.asarray([1], jnp.int32)
     key = jax.random.PRNGKey(0)
     tokens = np.zeros((1, 32), np.int32)
     tokens[0, :20] = prompt
-    first_whole, whole = jax.jit(eng._prefill_impl, static_argnames=("temperature", "top_p"))(
+    first_whole, whole = jax.jit(eng.prefill_fn, static_argnames=("temperature", "top_p"))(
         eng.t_state, eng.d_state, jnp.asarray(tokens), jnp.asarray([20]), slot, eng.new_caches(2, 64), key,
         temperature=0.0, top_p=1.0)
     chunk = jax.jit(lambda *a: plan_lib.prefill_chunk(eng, *a))

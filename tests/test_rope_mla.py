@@ -28,6 +28,9 @@ from dspark_jax.layers.mla import MLAttention, causal_mask
 from dspark_jax.layers.rope import (RotaryEmbedding, softmax_scale, yarn_correction_range,
                                     yarn_inv_freq_and_mscale)
 from dspark_jax.params import flat_params, logical_axes
+from tests.float64 import TABLE_ULPS, TorchFloat64, assert_close, x64
+from tests.float64 import share_rope_table as _share_table
+from tests.float64 import ulps as _ulps
 
 DRAFT_JSON = Path(__file__).resolve().parents[1] / "dspark_jax" / "configs" / "kimi-k3-dspark.json"
 
@@ -38,7 +41,9 @@ TINY_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=
 
 
 def _to_torch(a) -> torch.Tensor:
-    return torch.from_numpy(np.array(a, dtype=np.float32))
+    return torch.from_numpy(np.array(a))
+
+
 
 
 def _randomize(module: nnx.Module, seed: int) -> nnx.Module:
@@ -73,7 +78,7 @@ def _attend(m: MLAttention, x, pos, kv, mask, absorbed: bool):
 
 
 def _additive_mask(mask_BTS: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.where(mask_BTS, 0.0, -1e30).astype(np.float32))[:, None]
+    return torch.from_numpy(np.where(mask_BTS, 0.0, -1e30))[:, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +99,7 @@ def test_yarn_k3_draft_numbers_and_transformers_inv_freq():
                               qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
                               max_position_embeddings=cfg.raw["max_position_embeddings"], rope_parameters=dict(rp))
     hf_inv, hf_factor = _compute_yarn_parameters(hf_cfg)
-    # both fp32; pow() implementations of numpy and torch may differ by an ulp
-    np.testing.assert_allclose(inv_freq, hf_inv.numpy(), rtol=2e-7, atol=0)
+    assert hf_inv.dtype == torch.float32 and np.all(_ulps(inv_freq, hf_inv.numpy()) <= TABLE_ULPS)
     assert hf_factor == attn_factor
     # the ramp really interpolates: pairs < 15 keep base**(-2i/64), pairs > 26 are divided by 32
     base = 50000.0 ** (-np.arange(0, 64, 2) / 64)
@@ -111,7 +115,7 @@ def test_yarn_tiny_multiplier_and_scale_match_transformers():
     hf_cfg = DeepseekV3Config(hidden_size=32, num_attention_heads=2, qk_rope_head_dim=16, qk_nope_head_dim=8,
                               rope_parameters=dict(TINY_YARN))
     hf_inv, hf_factor = _compute_yarn_parameters(hf_cfg)
-    np.testing.assert_allclose(inv_freq, hf_inv.numpy(), rtol=2e-7)
+    assert np.all(_ulps(inv_freq, hf_inv.numpy()) <= TABLE_ULPS)
     assert attn_factor == pytest.approx(hf_factor, rel=1e-12) and attn_factor != 1.0
     assert softmax_scale(24, rope) == pytest.approx(hf_ds.yarn_apply_mscale(hf_cfg.rope_parameters, 24 ** -0.5),
                                                     rel=1e-12)
@@ -121,15 +125,34 @@ def test_yarn_tiny_multiplier_and_scale_match_transformers():
 # 2. Rotation layouts
 
 
-def _numpy_interleaved(x, pos, inv_freq, factor):
-    # angles rounded to fp32 as every implementation does (at position 65535 that rounding alone is
-    # ~4e-3 rad, so a float64 angle would not be the reference); cos/sin and rotation in float64
-    ang = (pos.astype(np.float32)[..., None] * inv_freq).astype(np.float64)
+def _numpy_interleaved(x, pos, inv_freq, factor, angle_dtype):
+    """Spec C.4's interleaved rotation in float64, from angles `pos * inv_freq` formed in
+    `angle_dtype`: float32 is what every float32 implementation does (at position 65535 that
+    rounding alone is ~4e-3 rad, so a float64 angle would not be its reference); float64 is our
+    path for float64 inputs."""
+    ang = (pos.astype(angle_dtype)[..., None] * inv_freq.astype(angle_dtype)).astype(np.float64)
     c, s = np.cos(ang) * factor, np.sin(ang) * factor
-    out = np.empty_like(x, dtype=np.float64)
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
     out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
     out[..., 1::2] = x[..., 1::2] * c + x[..., 0::2] * s
     return out
+
+
+def _float32_rotation_bound(x, factor, pairs: str) -> np.ndarray:
+    """Per element, how far a float32 rotation may be from the float64 evaluation of the same
+    formula on the same float32 angles: each output is a*cos - b*sin (or b*cos + a*sin) with
+    float32 cos/sin within 2 ulp(1) = 2^-23 of exact (libm, SLEEF, XLA: <= 1-2 ulp) and 1 ulp more
+    for the multiplier, plus <= 2^-23 relative for the two products and the sum: (|a| + |b|) *
+    factor * 2^-21 bounds all of it with room."""
+    x = np.abs(np.asarray(x, np.float64))
+    if pairs == "interleaved":
+        m = x[..., 0::2] + x[..., 1::2]
+        m = np.repeat(m, 2, axis=-1)
+    else:
+        half = x.shape[-1] // 2
+        m = np.concatenate([x[..., :half] + x[..., half:]] * 2, axis=-1)
+    return m * max(1.0, factor) * 2.0 ** -21
 
 
 def test_interleaved_rotation_matches_spec_formula_and_deepseek_v3():
@@ -138,25 +161,36 @@ def test_interleaved_rotation_matches_spec_formula_and_deepseek_v3():
     rope_cfg = RopeScaling(**{k: float(v) if k != "rope_type" else v for k, v in TINY_YARN.items()})
     rope = RotaryEmbedding.from_scaling(rope_cfg, R, interleaved=True)
     pos = np.array([[0, 1, 2, 3, 4], [7, 100, 2048, 9000, 65535]], np.int32)
-    q = rng.standard_normal((B, T, N, R)).astype(np.float32)
-    k = rng.standard_normal((B, T, R)).astype(np.float32)
-    q_rot = np.asarray(rope(jnp.asarray(q), jnp.asarray(pos)))     # ...TNR
-    k_rot = np.asarray(rope(jnp.asarray(k), jnp.asarray(pos)))     # ...TR
-    np.testing.assert_allclose(q_rot, _numpy_interleaved(q, pos[:, :, None], rope.inv_freq, rope.attention_factor),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(k_rot, _numpy_interleaved(k, pos, rope.inv_freq, rope.attention_factor),
-                               rtol=1e-5, atol=1e-5)
+    q = rng.standard_normal((B, T, N, R))
+    k = rng.standard_normal((B, T, R))
+    f = rope.attention_factor
 
+    # float32 (the path of every bf16/f32 model): against the formula on the same float32 angles
+    for x, p in ((q, pos[:, :, None]), (k, pos)):
+        x32 = x.astype(np.float32)
+        got = np.asarray(rope(jnp.asarray(x32), jnp.asarray(pos)), np.float64)
+        want = _numpy_interleaved(x32, p, rope.inv_freq, f, np.float32)
+        assert np.all(np.abs(got - want) <= _float32_rotation_bound(x32, f, "interleaved"))
+
+    # float64, against the formula and against transformers' DeepseekV3 rotary (tests/float64.py)
     hf_cfg = DeepseekV3Config(hidden_size=32, num_attention_heads=N, qk_rope_head_dim=R, qk_nope_head_dim=8,
                               rope_parameters=dict(TINY_YARN), rope_interleave=True)
-    cos, sin = hf_ds.DeepseekV3RotaryEmbedding(hf_cfg)(torch.zeros(1), torch.from_numpy(pos).long())
-    hf_q, hf_k = hf_ds.apply_rotary_pos_emb_interleave(torch.from_numpy(q).transpose(1, 2),
-                                                       torch.from_numpy(k)[:, None], cos, sin)
+    rotary = hf_ds.DeepseekV3RotaryEmbedding(hf_cfg).double()
+    _share_table(rotary, rope)
+    with torch.no_grad(), TorchFloat64():
+        cos, sin = rotary(torch.zeros(1), torch.from_numpy(pos).long())
+        hf_q, hf_k = hf_ds.apply_rotary_pos_emb_interleave(torch.from_numpy(q).transpose(1, 2),
+                                                           torch.from_numpy(k)[:, None], cos, sin)
+    with x64():
+        q_rot = np.asarray(rope(jnp.asarray(q), jnp.asarray(pos)))     # ...TNR
+        k_rot = np.asarray(rope(jnp.asarray(k), jnp.asarray(pos)))     # ...TR
+    assert_close(q_rot, _numpy_interleaved(q, pos[:, :, None], rope.inv_freq, f, np.float64), "q vs formula")
+    assert_close(k_rot, _numpy_interleaved(k, pos, rope.inv_freq, f, np.float64), "k vs formula")
     # transformers emits the rotated pairs de-interleaved ([evens | odds]); q·k is unchanged by that
     # shared permutation, but the cache keeps ATOM's interleaved layout, so compare after permuting.
     perm = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
-    np.testing.assert_allclose(q_rot[..., perm], hf_q.transpose(1, 2).numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(k_rot[..., perm], hf_k[:, 0].numpy(), rtol=1e-5, atol=1e-5)
+    assert_close(q_rot[..., perm], hf_q.transpose(1, 2), "q vs DeepseekV3")
+    assert_close(k_rot[..., perm], hf_k[:, 0], "k vs DeepseekV3")
 
 
 def test_neox_rotation_matches_llama():
@@ -164,20 +198,34 @@ def test_neox_rotation_matches_llama():
     B, T, N, R = 2, 6, 3, 8
     rope = RotaryEmbedding.plain(R, 10000.0, interleaved=False)
     pos = np.array([[0, 1, 2, 3, 4, 5], [11, 12, 13, 500, 501, 502]], np.int32)
-    q = rng.standard_normal((B, T, N, R)).astype(np.float32)
-    k = rng.standard_normal((B, T, 1, R)).astype(np.float32)
+    q = rng.standard_normal((B, T, N, R))
+    k = rng.standard_normal((B, T, 1, R))
     hf_cfg = HFLlamaConfig(hidden_size=N * R, num_attention_heads=N, head_dim=R, rope_theta=10000.0)
-    cos, sin = hf_llama.LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), torch.from_numpy(pos).long())
-    hf_q, hf_k = hf_llama.apply_rotary_pos_emb(torch.from_numpy(q).transpose(1, 2),
-                                               torch.from_numpy(k).transpose(1, 2), cos, sin)
-    np.testing.assert_allclose(np.asarray(rope(jnp.asarray(q), jnp.asarray(pos))), hf_q.transpose(1, 2).numpy(),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(rope(jnp.asarray(k), jnp.asarray(pos))), hf_k.transpose(1, 2).numpy(),
-                               rtol=1e-5, atol=1e-5)
+    rotary = hf_llama.LlamaRotaryEmbedding(hf_cfg).double()
+    _share_table(rotary, rope)
+    with torch.no_grad(), TorchFloat64():       # float64 both sides (tests/float64.py)
+        cos, sin = rotary(torch.zeros(1), torch.from_numpy(pos).long())
+        hf_q, hf_k = hf_llama.apply_rotary_pos_emb(torch.from_numpy(q).transpose(1, 2),
+                                                   torch.from_numpy(k).transpose(1, 2), cos, sin)
+    with x64():
+        q_rot = np.asarray(rope(jnp.asarray(q), jnp.asarray(pos)))
+        k_rot = np.asarray(rope(jnp.asarray(k), jnp.asarray(pos)))
+    assert_close(q_rot, hf_q.transpose(1, 2), "q vs Llama rotary")
+    assert_close(k_rot, hf_k.transpose(1, 2), "k vs Llama rotary")
+    # float32: the same rotation within the float32 bound (see _float32_rotation_bound)
+    q32 = q.astype(np.float32)
+    got = np.asarray(rope(jnp.asarray(q32), jnp.asarray(pos)), np.float64)
+    with torch.no_grad():
+        cos32, sin32 = hf_llama.LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), torch.from_numpy(pos).long())
+        want = hf_llama.apply_rotary_pos_emb(torch.from_numpy(q32).transpose(1, 2).double(),
+                                             torch.from_numpy(q32).transpose(1, 2).double(),
+                                             cos32.double(), sin32.double())[0].transpose(1, 2).numpy()
+    # transformers' float32 cos/sin, applied in float64: one float32 trig evaluation per side
+    assert np.all(np.abs(got - want) <= _float32_rotation_bound(q32, 1.0, "neox"))
     # the two layouts really differ (a swapped flag must fail the parity tests above)
     other = RotaryEmbedding.plain(R, 10000.0, interleaved=True)
-    assert not np.allclose(np.asarray(other(jnp.asarray(q), jnp.asarray(pos))), hf_q.transpose(1, 2).numpy(),
-                           atol=1e-3)
+    with x64():
+        assert not np.allclose(np.asarray(other(jnp.asarray(q), jnp.asarray(pos))), q_rot, atol=1e-3)
 
 
 def test_rope_keeps_dtype_and_is_hashable_by_value():
@@ -203,11 +251,18 @@ def _kimi_hf_config(q_lora_rank: int | None) -> KimiLinearConfig:
 
 @pytest.mark.parametrize("q_lora_rank", [16, None])
 def test_target_mla_matches_transformers_kimi_linear(q_lora_rank):
+    """Float64 on both sides (tests/float64.py: transformers' RMSNorm and softmax cast to float32,
+    TorchFloat64 makes them float64)."""
+    with x64():
+        _target_mla_check(q_lora_rank)
+
+
+def _target_mla_check(q_lora_rank):
     hf_cfg = _kimi_hf_config(q_lora_rank)
     cfg = KimiConfig.from_dict(hf_cfg.to_dict())
     assert cfg.mla_use_nope and not cfg.mla_use_output_gate
-    ours = _randomize(MLAttention.for_target(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), 0)
-    theirs = hf_kl.KimiLinearAttention(hf_cfg, layer_idx=0).eval()
+    ours = _randomize(MLAttention.for_target(cfg, dtype=jnp.float64, rngs=nnx.Rngs(0)), 0)
+    theirs = hf_kl.KimiLinearAttention(hf_cfg, layer_idx=0).double().eval()
     # transformers' KimiLinearRMSNorm defaults to eps 1e-6 for q_a/kv_a, the same hard-coded value
     # as the K3 reference (spec A.5.4), not the config's rms_norm_eps (1e-5)
     hf_norms = [theirs.kv_a_layernorm] + ([theirs.q_a_layernorm] if q_lora_rank else [])
@@ -216,15 +271,14 @@ def test_target_mla_matches_transformers_kimi_linear(q_lora_rank):
     _load_into_torch(ours, theirs)
 
     B, T = 2, 7
-    x = np.random.default_rng(2).standard_normal((B, T, 32)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((B, T, 32))
     pos = np.broadcast_to(np.arange(T), (B, T))
     mask = np.asarray(causal_mask(B, T))
-    with torch.no_grad():
-        ref = theirs(torch.from_numpy(x), _additive_mask(mask))[0].numpy()
-    # fp32 end to end; differences are summation-order rounding (measured 7e-7 abs on outputs up to 3.5)
+    with torch.no_grad(), TorchFloat64():
+        ref = theirs(torch.from_numpy(x), _additive_mask(mask))[0]
     for absorbed in (False, True):
         out = np.asarray(_self_attn(ours, jnp.asarray(x), jnp.asarray(pos), absorbed))
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+        assert_close(out, ref, f"target MLA (absorbed={absorbed}) vs KimiLinearAttention")
     # NoPE: the cache row carries k_pe raw, so positions do not matter
     kv0 = ours.latent_kv(jnp.asarray(x), jnp.asarray(pos))
     kv1 = ours.latent_kv(jnp.asarray(x), jnp.asarray(pos) + 1000)
@@ -241,6 +295,12 @@ def _tiny_draft(eps: float, heads: int = 4) -> DraftConfig:
 
 
 def test_draft_mla_matches_transformers_deepseek_v3_yarn_interleaved():
+    """Float64 on both sides (tests/float64.py), with one float32 frequency table (_share_table)."""
+    with x64():
+        _draft_mla_check()
+
+
+def _draft_mla_check():
     # DeepseekV3RMSNorm hard-codes eps 1e-6 on q_a/kv_a; the K3 draft uses config rms_norm_eps (1e-5,
     # spec C.3), so the tiny draft is built with 1e-6 to compare like with like.
     cfg = _tiny_draft(eps=1e-6)
@@ -249,28 +309,31 @@ def test_draft_mla_matches_transformers_deepseek_v3_yarn_interleaved():
                               rope_parameters=dict(TINY_YARN), rope_interleave=True, attention_bias=False,
                               num_hidden_layers=1, vocab_size=64, attn_implementation="eager",
                               pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    ours = _randomize(MLAttention.for_draft(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1)), 1)
-    theirs = hf_ds.DeepseekV3Attention(hf_cfg, layer_idx=0).eval()
+    ours = _randomize(MLAttention.for_draft(cfg, dtype=jnp.float64, rngs=nnx.Rngs(1)), 1)
+    theirs = hf_ds.DeepseekV3Attention(hf_cfg, layer_idx=0).double().eval()
+    rotary = hf_ds.DeepseekV3RotaryEmbedding(hf_cfg).double()
+    _share_table(rotary, ours.rope)
     # same softmax temperature: qk**-0.5 * mscale(s, mscale_all_dim)**2 in both
     assert ours.softmax_scale == pytest.approx(theirs.scaling, rel=1e-12)
     assert theirs.q_a_layernorm.variance_epsilon == ours.q_a_layernorm.eps
     _load_into_torch(ours, theirs)
 
     B, T = 2, 6
-    x = np.random.default_rng(3).standard_normal((B, T, 32)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((B, T, 32))
     pos = np.array([np.arange(T), np.arange(T) + 300])       # absolute positions differ per row
     mask = np.asarray(causal_mask(B, T))
-    with torch.no_grad():
-        cos_sin = hf_ds.DeepseekV3RotaryEmbedding(hf_cfg)(torch.zeros(1), torch.from_numpy(pos).long())
-        ref = theirs(torch.from_numpy(x), cos_sin, _additive_mask(mask))[0].numpy()
+    with torch.no_grad(), TorchFloat64():
+        cos_sin = rotary(torch.zeros(1), torch.from_numpy(pos).long())
+        ref = theirs(torch.from_numpy(x), cos_sin, _additive_mask(mask))[0]
     for absorbed in (False, True):
         out = np.asarray(_self_attn(ours, jnp.asarray(x), jnp.asarray(pos), absorbed))
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)   # fp32; measured 8e-7 abs, outputs up to 3
-    # RoPE is relative: a common shift leaves the output alone, a changed spacing does not
+        assert_close(out, ref, f"draft MLA (absorbed={absorbed}) vs DeepseekV3Attention")
+    # RoPE is relative: a common shift leaves the output alone (float64 angles: to float64
+    # rounding of angles up to ~300 rad), a changed spacing does not
     shifted = np.asarray(_self_attn(ours, jnp.asarray(x), jnp.asarray(pos) + 7))
-    np.testing.assert_allclose(shifted, ref, rtol=1e-3, atol=1e-4)   # fp32 angles at positions ~300
+    assert_close(shifted, ref, "draft MLA at positions shifted by 7")
     spread = np.asarray(_self_attn(ours, jnp.asarray(x), jnp.asarray(pos) * 3))
-    assert not np.allclose(spread, ref, rtol=1e-2, atol=1e-2)
+    assert not np.allclose(spread, ref.numpy(), rtol=1e-2, atol=1e-2)
 
 
 def test_k3_draft_mla_shapes_and_576_wide_latent_rows():
@@ -298,12 +361,18 @@ def test_k3_draft_mla_shapes_and_576_wide_latent_rows():
 
 
 def test_absorbed_equals_expanded_on_ragged_masks():
+    """Float64 (tests/float64.py): the two forms reassociate the same sums."""
+    with x64():
+        _absorbed_expanded_check()
+
+
+def _absorbed_expanded_check():
     cfg = _tiny_draft(eps=1e-5)
-    mla = _randomize(MLAttention.for_draft(cfg, dtype=jnp.float32, rngs=nnx.Rngs(4)), 4)
+    mla = _randomize(MLAttention.for_draft(cfg, dtype=jnp.float64, rngs=nnx.Rngs(4)), 4)
     rng = np.random.default_rng(5)
     B, T, S = 2, 4, 11
-    x = jnp.asarray(rng.standard_normal((B, T, 32)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((B, S, 32)), jnp.float32)      # L = 16 + 16
+    x = jnp.asarray(rng.standard_normal((B, T, 32)))
+    kv = jnp.asarray(rng.standard_normal((B, S, 32)))                  # L = 16 + 16
     pos = jnp.asarray([[7, 8, 9, 10], [3, 4, 5, 6]])
     ragged = rng.random((B, T, S)) < 0.5
     ragged[0, 1] = False                                             # a dropped row
@@ -317,8 +386,7 @@ def test_absorbed_equals_expanded_on_ragged_masks():
         m = jnp.asarray(mask)
         expanded = np.asarray(_attend(mla, x, pos, kv, m, False))
         absorbed = np.asarray(_attend(mla, x, pos, kv, m, True))
-        # same math, different contraction order in fp32: measured <3e-7 abs on outputs of O(1)
-        np.testing.assert_allclose(absorbed, expanded, rtol=1e-5, atol=1e-6)
+        assert_close(absorbed, expanded, "absorbed vs expanded MLA")
         dropped = ~mask.any(-1)
         assert dropped.sum() == 1 and np.all(expanded[dropped] == 0) and np.all(absorbed[dropped] == 0)
         assert np.abs(expanded[~dropped]).min() > 0
@@ -343,9 +411,25 @@ def _rms(x, w, eps):
 
 
 def test_output_gate_matches_spec_numpy_reference():
+    """Float64 on both sides (tests/float64.py); then a bf16 sanity check (the bf16 rounding of
+    the gate itself: tests/test_bf16_casts.py)."""
     hf_cfg = _kimi_hf_config(16)
     cfg = KimiConfig.from_dict({**hf_cfg.to_dict(), "mla_use_output_gate": True})
+    with x64():
+        _output_gate_check(cfg)
+    # bf16 params: the gate stays in bf16 and the result tracks fp32 to bf16 precision
     mla = _randomize(MLAttention.for_target(cfg, dtype=jnp.float32, rngs=nnx.Rngs(6)), 6)
+    mla16 = _randomize(MLAttention.for_target(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(6)), 6)
+    x = np.random.default_rng(7).standard_normal((2, 5, 32))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    out16 = _self_attn(mla16, jnp.asarray(x, jnp.bfloat16), pos)
+    assert out16.dtype == jnp.bfloat16
+    ref16 = np.asarray(_self_attn(mla, jnp.asarray(x, jnp.float32), pos))   # same seed: same weights, rounded
+    np.testing.assert_allclose(np.asarray(out16, np.float32), ref16, rtol=0.1, atol=0.05 * np.abs(ref16).max())
+
+
+def _output_gate_check(cfg):
+    mla = _randomize(MLAttention.for_target(cfg, dtype=jnp.float64, rngs=nnx.Rngs(6)), 6)
     w = {n: np.asarray(p.get_value(), np.float64) for n, p in flat_params(mla).items()}
     assert w["g_proj.weight"].shape == (4 * 6, 32)
     B, T, N, H, R, V, C = 2, 5, 4, 8, 4, 6, 16
@@ -367,17 +451,10 @@ def test_output_gate_matches_spec_numpy_reference():
 
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     for absorbed in (False, True):
-        out = np.asarray(_self_attn(mla, jnp.asarray(x, jnp.float32), pos, absorbed))
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-7)   # fp32 vs float64 reference
-    ungated = np.asarray(mla.o_proj(jnp.asarray(o * (1 + np.exp(-(x @ w["g_proj.weight"].T))), jnp.float32)))
+        out = np.asarray(_self_attn(mla, jnp.asarray(x), pos, absorbed))
+        assert_close(out, ref, f"gated MLA (absorbed={absorbed}) vs numpy spec")
+    ungated = np.asarray(mla.o_proj(jnp.asarray(o * (1 + np.exp(-(x @ w["g_proj.weight"].T))))))
     assert not np.allclose(ungated, ref, rtol=1e-2)                  # the gate is not a no-op here
-
-    # bf16 params: the gate stays in bf16 and the result tracks fp32 to bf16 precision
-    mla16 = _randomize(MLAttention.for_target(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(6)), 6)
-    out16 = _self_attn(mla16, jnp.asarray(x, jnp.bfloat16), pos)
-    assert out16.dtype == jnp.bfloat16
-    ref16 = np.asarray(_self_attn(mla, jnp.asarray(x, jnp.float32), pos))   # same seed: same weights, rounded
-    np.testing.assert_allclose(np.asarray(out16, np.float32), ref16, rtol=0.1, atol=0.05 * np.abs(ref16).max())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,11 @@ import openai
 import pytest
 
 from dspark_jax import generate, load_draft, load_target
-from dspark_jax.generate import Batcher, Engine, eos_ids, tokenizer_for
+from dspark_jax.batcher import Batcher
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.generate import eos_ids, tokenizer_for
+from dspark_jax.serving import app as app_module
 from dspark_jax.serving.app import ServerConfig, TextStream, create_app
 from dspark_jax.serving.models import load_pair
 from dspark_jax.serving.worker import EngineWorker
@@ -36,6 +40,7 @@ from tests.serve_utils import write_tiny_draft, write_tiny_target
 T = 4                      # speculative tokens of the served pair
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
+MAX_REQUEST_BYTES = 65536  # the served --max_request_bytes (small, so a test body over it stays small)
 
 CHAT_PROMPTS = ["Hello there, how are you?", "Write a haiku about the sea.", "What is 17 * 3?",
                 "List three colours.", "Explain recursion in one sentence.", "Translate 'cat' to French.",
@@ -71,7 +76,8 @@ def server(pair_dirs, tmp_path_factory):
     env = dict(os.environ, XLA_FLAGS="")          # one device: the reference runs on one device too
     cmd = [sys.executable, "-m", "serve.server", "--model", str(target_dir), "--draft_model", str(draft_dir),
            "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
-           "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1"]
+           "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1",
+           "--max_request_bytes", str(MAX_REQUEST_BYTES)]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent)
@@ -234,6 +240,9 @@ BAD = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}), 400, "messages[0].content"),
     ("/v1/chat/completions", json.dumps([1, 2]), 400, "JSON object"),
     ("/v1/chat/completions", json.dumps({"messages": "hi"}), 400, "messages"),
+    # over --max_request_bytes (declared by Content-Length): refused before the body is read
+    ("/v1/completions", json.dumps({"prompt": "x" * MAX_REQUEST_BYTES}), 413,
+     f"max_request_bytes={MAX_REQUEST_BYTES}"),
 ]
 
 
@@ -287,7 +296,7 @@ def test_queue_full_answers_503(models):
     second request finds the queue full."""
     target, draft = models
     tok = tokenizer_for(target)
-    worker = EngineWorker(Batcher(Engine(target, draft, T), 2, 256), max_queue=1)
+    worker = EngineWorker(Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
     cfg = ServerConfig(["tiny"], 256, T, target.cfg.vocab_size, frozenset(eos_ids(target, tok)))
     app = create_app(worker, tok, cfg)
 
@@ -302,6 +311,81 @@ def test_queue_full_answers_503(models):
 
     r = asyncio.run(scenario())
     assert r.status_code == 503 and "max_queue_len=1" in r.json()["error"]["message"]
+
+
+def _in_process_app(models, **cfg_kw):
+    """The app over a worker that is never started (nothing here reaches the engine)."""
+    target, draft = models
+    tok = tokenizer_for(target)
+    worker = EngineWorker(Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
+    return create_app(worker, tok, ServerConfig(["tiny"], 256, T, target.cfg.vocab_size,
+                                                frozenset(eos_ids(target, tok)), **cfg_kw))
+
+
+def _asgi_requests(app, requests: list[dict]) -> list[httpx.Response]:
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return [await asyncio.wait_for(c.request(**kw), 30) for kw in requests]
+    return asyncio.run(scenario())
+
+
+def test_api_key_is_compared_in_constant_time(models, monkeypatch):
+    """Every /v1 request's Authorization header goes through `hmac.compare_digest` against
+    b"Bearer <key>" (a spy records the calls); only the exact header is let in, a non-ASCII or
+    prefix-sharing one is a 401, never a 500."""
+    calls = []
+    real = app_module.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    app = _in_process_app(models, api_key=API_KEY)
+    headers = [None, "Bearer wrong", f"Bearer {API_KEY}x", f"Bearer {API_KEY[:-1]}", API_KEY,
+               "Bearer t\xe9st".encode("latin-1"), f"Bearer {API_KEY}"]
+    responses = _asgi_requests(app, [dict(method="GET", url="/v1/models",
+                                          headers={} if h is None else {"Authorization": h}) for h in headers])
+    assert [r.status_code for r in responses] == [401] * 6 + [200]
+    for r in responses[:-1]:
+        assert r.json()["error"]["code"] == "invalid_api_key" and "API key" in r.json()["error"]["message"]
+    assert responses[-1].json()["data"][0]["id"] == "tiny"
+    want = f"Bearer {API_KEY}".encode()
+    sent = [b"" if h is None else h if isinstance(h, bytes) else h.encode() for h in headers]
+    assert calls == [(s, want) for s in sent]
+
+
+def test_request_body_limit_answers_413_without_reading_the_body(models):
+    """--max_request_bytes: a body of exactly the limit is read and parsed; a larger one declared by
+    Content-Length is a 413 before a single body chunk is read; a chunked body (no Content-Length,
+    1 MiB offered) is refused as soon as the bytes read pass the limit, not after reading it all."""
+    limit, chunk = 1024, 256
+    app = _in_process_app(models, max_request_bytes=limit)
+    pulled = {"declared": 0, "chunked": 0}
+
+    def body(key: str, n_chunks: int):
+        async def gen():
+            for _ in range(n_chunks):
+                pulled[key] += chunk
+                yield b"x" * chunk
+        return gen()
+
+    at_limit = json.dumps({"prompt": "hi", "max_tokens": -3}).ljust(limit).encode()
+    assert len(at_limit) == limit
+    r_at, r_declared, r_chunked = _asgi_requests(app, [
+        dict(method="POST", url="/v1/completions", content=at_limit),
+        dict(method="POST", url="/v1/completions", content=body("declared", (limit + chunk) // chunk),
+             headers={"Content-Length": str(limit + chunk)}),
+        dict(method="POST", url="/v1/completions", content=body("chunked", 4096))])   # 1 MiB offered
+    assert r_at.status_code == 400 and "max_tokens" in r_at.json()["error"]["message"]
+    want = {"error": {"message": f"request body exceeds max_request_bytes={limit} bytes (the server's "
+                                 "--max_request_bytes)", "type": "invalid_request_error", "param": None,
+                      "code": "request_too_large"}}
+    for r in (r_declared, r_chunked):
+        assert r.status_code == 413 and r.json() == want
+    assert "content-length" not in r_chunked.request.headers      # it really was sent chunked
+    assert pulled["declared"] == 0
+    assert limit < pulled["chunked"] <= limit + chunk
 
 
 def test_text_stream_holds_back_partial_stop_strings(models):

@@ -41,7 +41,10 @@ flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once (continuous bat
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("min_loss_tokens", regen.MIN_LOSS_TOKENS, "Answers shorter than this are not kept.")
-flags.DEFINE_integer("limit", None, "Use only the first N prompts of the pool.", lower_bound=1)
+flags.DEFINE_list("first_sources", [], "Answer these pool sources first, in this order (e.g. gsm8k_train); "
+                  "the rest follow in pool order. --limit and --snapshot count in this order.")
+flags.DEFINE_integer("limit", None, "Use only the first N prompts of the pool (after --first_sources).",
+                     lower_bound=1)
 flags.DEFINE_integer("num_shards", 1, "Split the pool over this many processes.", lower_bound=1)
 flags.DEFINE_integer("shard_index", 0, "This process's shard (prompts i with i % num_shards == index).")
 flags.DEFINE_string("snapshot", None, "After the run, also write the answers of the first --limit prompts, in "
@@ -72,7 +75,7 @@ def main(argv: list[str]) -> None:
     def log(msg: str) -> None:
         print(f"[{tag} {time.time() - t0:8.1f}s] {msg}", flush=True)
 
-    records = regen.read_jsonl(FLAGS.prompts)[:FLAGS.limit]
+    records = regen.order_by_source(regen.read_jsonl(FLAGS.prompts), FLAGS.first_sources)[:FLAGS.limit]
     records = records[shard_index::num_shards]
     path = resolve_model_path(FLAGS.model)
     # this process's first device (the loader's default, jax.devices()[0], is process 0's)

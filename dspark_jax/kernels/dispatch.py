@@ -1,8 +1,10 @@
 """The one place that decides Pallas kernel vs pure-JAX reference.
 
 Modes (`use_kernels(mode)` inside a `with` block, else the env var DSPARK_KERNELS, else "auto"):
-- "auto": kernels on GPU (CUDA or ROCm, Triton lowering), references elsewhere (CPU, TPU);
-- "on": kernels everywhere, in interpret mode where there is no GPU;
+- "auto": kernels on GPU (CUDA or ROCm, Triton lowering), references elsewhere (CPU, TPU); the
+  paged MLA decode kernel only from a crossover span measured on a GPU (`mla_paged_min_keys`):
+  below it XLA's fusion of the reference is the faster of the two;
+- "on": kernels everywhere (at every span), in interpret mode where there is no GPU;
 - "off": references everywhere;
 - "interpret": kernels in interpret mode everywhere (`pallas_call(..., interpret=True)`).
 The mode is read when a function is traced: a jitted caller keeps the choice it was traced with.
@@ -25,8 +27,10 @@ from dspark_jax.layers import kda
 
 MODES = ("auto", "on", "off", "interpret")
 ENV_VAR = "DSPARK_KERNELS"
+MLA_PAGED_MIN_KEYS_ENV = "DSPARK_MLA_PAGED_MIN_KEYS"
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("dspark_kernels", default=None)
+_min_keys: contextvars.ContextVar[int | None] = contextvars.ContextVar("dspark_mla_paged_min_keys", default=None)
 
 
 def _check(mode: str) -> str:
@@ -53,6 +57,37 @@ def use_kernels(mode: str) -> Iterator[None]:
         _override.reset(token)
 
 
+def _check_min_keys(n, where: str) -> int:
+    ok = (isinstance(n, int) and not isinstance(n, bool) and n >= 0) or (isinstance(n, str) and n.isdigit())
+    if not ok:
+        raise ValueError(f"{where}={n!r}: expected a non-negative integer (keys per sequence)")
+    return int(n)
+
+
+def mla_paged_min_keys() -> int:
+    """`auto` mode runs the paged MLA kernel only when a sequence's span (block-table pages x page
+    size) holds at least this many keys; shorter spans use the reference. The
+    `mla_paged_min_keys_override` value, else $DSPARK_MLA_PAGED_MIN_KEYS, else
+    `mla_paged.AUTO_MIN_KEYS` (measured on an H200, see there). Modes "on" and "interpret"
+    ignore it (the kernel at every span)."""
+    n = _min_keys.get()
+    if n is not None:
+        return n
+    raw = os.environ.get(MLA_PAGED_MIN_KEYS_ENV, "").strip()
+    return _check_min_keys(raw, f"${MLA_PAGED_MIN_KEYS_ENV}") if raw else mla_paged.AUTO_MIN_KEYS
+
+
+@contextlib.contextmanager
+def mla_paged_min_keys_override(min_keys: int) -> Iterator[None]:
+    """Set the `auto` crossover span for the calls traced inside the block (0: the kernel at
+    every span, as before the crossover existed)."""
+    token = _min_keys.set(_check_min_keys(min_keys, "min_keys"))
+    try:
+        yield
+    finally:
+        _min_keys.reset(token)
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() in _GPU_BACKENDS
 
@@ -77,9 +112,12 @@ def _fits(interpret: bool, *dims: int) -> bool:
 def mla_paged_attention(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         causal: bool, row: int | None = None) -> jax.Array:
-    """Latent MLA attention over the paged pool -> latent context [B,T,N,C] (see mla_paged)."""
+    """Latent MLA attention over the paged pool -> latent context [B,T,N,C] (see mla_paged).
+    In `auto` mode spans shorter than `mla_paged_min_keys()` keys use the reference."""
     interpret = kernel_interpret()
-    if interpret is None or not _fits(interpret, q_lat_BTNC.shape[-1], q_rope_BTNR.shape[-1], pages.shape[-2]):
+    span = block_table_BP.shape[1] * pages.shape[-2]        # static: keys the step may attend to
+    if (interpret is None or not _fits(interpret, q_lat_BTNC.shape[-1], q_rope_BTNR.shape[-1], pages.shape[-2])
+            or (kernel_mode() == "auto" and span < mla_paged_min_keys())):
         return mla_paged.mla_paged_reference(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT,
                                              scale, causal=causal, row=row)
     return mla_paged.mla_paged_kernel(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT, scale,

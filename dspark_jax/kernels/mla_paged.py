@@ -31,6 +31,17 @@ from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
 from dspark_jax.layers.mla import masked_softmax, mla_scores_absorbed
 
+# `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
+# block table's pages x page size, i.e. the span a step attends over): below it XLA's fusion of
+# the reference is faster. Measured on one H200 (README "Kernels", 2026-11-30, 8 query rows): the
+# kernel took 1.23x the reference at 4k keys (B1, 96 heads, bf16 cache) and 1.81x at 2k (B8, 96
+# heads, fp8), and 0.77x at 32k (B1, 12 heads, fp8); nothing was measured in between, so the
+# kernel starts at the smallest span where it was measured faster. `python -m
+# benchmarks.gpu_kernel_check --crossover` measures the crossover on a GPU and prints the value to
+# set; override with $DSPARK_MLA_PAGED_MIN_KEYS or `dispatch.mla_paged_min_keys_override(n)`.
+AUTO_MIN_KEYS = 32768
+from dspark_jax.numerics import einsum_acc
+
 
 def key_limits(positions_BT: jax.Array, causal: bool, max_len: int) -> jax.Array:
     """Exclusive key-position limit per query row, int32 [B,T] (see the module docstring)."""
@@ -64,8 +75,7 @@ def mla_paged_reference(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
     mask_BTS = jnp.arange(kv_BSL.shape[1])[None, None, :] < lim_BT[..., None]
     scores_BNTS = mla_scores_absorbed(q_lat_BTNC, q_rope_BTNR.astype(kv_BSL.dtype), kv_BSL, scale)
     p_BNTS = masked_softmax(scores_BNTS, mask_BTS[:, None])
-    o_BTNC = jnp.einsum("bnts,bsc->btnc", p_BNTS.astype(kv_BSL.dtype), kv_BSL[..., :c],
-                        preferred_element_type=jnp.float32)
+    o_BTNC = einsum_acc("bnts,bsc->btnc", p_BNTS.astype(kv_BSL.dtype), kv_BSL[..., :c])
     return o_BTNC.astype(q_lat_BTNC.dtype)
 
 

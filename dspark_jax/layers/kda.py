@@ -6,6 +6,9 @@ Two numerically equal forms are provided as pure functions so Pallas kernels can
 `kda_recurrent` (a scan over tokens: decode / verify) and `kda_chunked` (the WY-form chunkwise
 parallel algorithm: prefill). `causal_conv` is the depthwise short convolution both share.
 
+Precision: everything said to be fp32 below is float64 instead when the layer's params (or the
+inputs of a pure function) are float64 (parity tests under x64); bf16 and float32 are unchanged.
+
 Config switches (KimiConfig):
 - `gate_lower_bound` None: Kimi-Linear forget gate g = -exp(A_log) * softplus(f + dt_bias),
   A_log stored [1, 1, H, 1]. A float lb: K3 "safe gate" g = lb * sigmoid(exp(A_log) * (f + dt_bias)),
@@ -26,6 +29,7 @@ from flax import nnx
 
 from dspark_jax.config import KimiConfig
 from dspark_jax.layers.linear import Linear
+from dspark_jax.numerics import acc_dtype
 from dspark_jax.params import param
 
 # K3 stores A_log zero-padded to a multiple of this (spec A.3: [128] for 96 heads).
@@ -70,22 +74,24 @@ def causal_conv(window_BWC: jnp.ndarray, weight_CK: jnp.ndarray) -> jnp.ndarray:
     """
     k = weight_CK.shape[-1]
     t = window_BWC.shape[1] - (k - 1)
-    w = weight_CK.astype(jnp.float32)
-    win = window_BWC.astype(jnp.float32)
+    acc = acc_dtype(window_BWC, weight_CK)
+    w = weight_CK.astype(acc)
+    win = window_BWC.astype(acc)
     return sum(win[:, j:j + t, :] * w[:, j] for j in range(k))
 
 
 def l2_normalize(x: jnp.ndarray, eps: float = 1e-6) -> jnp.ndarray:
     """x / sqrt(sum(x^2) + eps), fp32 (fla's l2norm: eps inside the sqrt, not a max)."""
-    xf = x.astype(jnp.float32)
+    xf = x.astype(acc_dtype(x))
     return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def kda_gate(graw_BTHK: jnp.ndarray, a_log_H: jnp.ndarray, dt_bias_HK: jnp.ndarray,
              lower_bound: float | None) -> jnp.ndarray:
     """Per-channel log-decay g <= 0 (fp32). `lower_bound` None = Kimi-Linear softplus gate."""
-    x = graw_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32)
-    rate_H1 = jnp.exp(a_log_H.astype(jnp.float32))[:, None]
+    acc = acc_dtype(graw_BTHK, dt_bias_HK, a_log_H)
+    x = graw_BTHK.astype(acc) + dt_bias_HK.astype(acc)
+    rate_H1 = jnp.exp(a_log_H.astype(acc))[:, None]
     if lower_bound is None:
         return -rate_H1 * jax.nn.softplus(x)
     return lower_bound * jax.nn.sigmoid(rate_H1 * x)
@@ -93,9 +99,10 @@ def kda_gate(graw_BTHK: jnp.ndarray, a_log_H: jnp.ndarray, dt_bias_HK: jnp.ndarr
 
 def gated_rms_norm(o: jnp.ndarray, weight: jnp.ndarray, gate: jnp.ndarray, eps: float) -> jnp.ndarray:
     """rms(o) * w * sigmoid(gate) over the last axis, all in fp32 (fla FusedRMSNormGated)."""
-    of = o.astype(jnp.float32)
+    acc = acc_dtype(o, gate)
+    of = o.astype(acc)
     normed = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
-    return normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return normed * weight.astype(acc) * jax.nn.sigmoid(gate.astype(acc))
 
 
 def unit_lower_inverse(lower_CC: jnp.ndarray) -> jnp.ndarray:
@@ -120,7 +127,8 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, 
 
     Returns (o [B,T,H,V] f32, final state [B,H,K,V] f32, snapshots [B,T,H,K,V] or None).
     """
-    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+    acc = acc_dtype(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV)
+    xs = tuple(jnp.moveaxis(x.astype(acc), 1, 0)
                for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
 
     def step(s_BHKV, x):
@@ -131,7 +139,7 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, 
         o_BHV = jnp.einsum("bhk,bhkv->bhv", q_BHK, s_BHKV)
         return s_BHKV, (o_BHV, s_BHKV if return_snapshots else None)
 
-    final, (o_TBHV, snaps_TBHKV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), xs)
+    final, (o_TBHV, snaps_TBHKV) = jax.lax.scan(step, initial_state_BHKV.astype(acc), xs)
     snaps = jnp.moveaxis(snaps_TBHKV, 0, 1) if return_snapshots else None
     return jnp.moveaxis(o_TBHV, 0, 1), final, snaps
 
@@ -205,9 +213,10 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
     c = min(chunk_size, 1 << (t - 1).bit_length())
     pad = (-t) % c
     n = (t + pad) // c
+    acc = acc_dtype(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV)
 
     def to_chunks(x):  # [B,T,H,...] -> [N,B,H,C,...]
-        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.pad(x.astype(acc), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = x.reshape(b, n, c, *x.shape[2:])
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
@@ -234,7 +243,7 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
                      + jnp.einsum("bhijk,bhjk,bhjv->bhikv", decay, k, v_new))
         return s_new, (o, snaps)
 
-    final, (o_NBHCV, snaps_NBHCKV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), xs)
+    final, (o_NBHCV, snaps_NBHCKV) = jax.lax.scan(step, initial_state_BHKV.astype(acc), xs)
 
     def from_chunks(x):  # [N,B,H,C,...] -> [B,T,H,...]
         x = jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1)
@@ -319,9 +328,10 @@ class KimiDeltaAttention(nnx.Module):
 
     def init_state(self, batch: int) -> KDAState:
         p = self.num_heads * self.head_dim
+        ssm_dtype = jnp.float64 if self.dtype == jnp.float64 else jnp.float32
         return KDAState(
             conv=jnp.zeros((batch, self.conv_size - 1, 3 * p), self.dtype),
-            ssm=jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32))
+            ssm=jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), ssm_dtype))
 
     def __call__(self, x_BTD: jnp.ndarray, state: KDAState | None = None, *, mode: str = "chunked",
                  valid_BT: jnp.ndarray | None = None, return_snapshots: bool = False,
@@ -361,7 +371,8 @@ class KimiDeltaAttention(nnx.Module):
         graw = self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, hd)
         a_log_H = self.A_log.get_value().reshape(-1)[:h]
         g = kda_gate(graw, a_log_H, self.dt_bias.get_value().reshape(h, hd), self.lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))   # fp32 beta (spec A.5.3)
+        b_BTH = self.b_proj(x_BTD)
+        beta = jax.nn.sigmoid(b_BTH.astype(acc_dtype(b_BTH)))          # fp32 beta (spec A.5.3)
         if valid_BT is not None:  # g = beta = 0 makes a token the identity on the state
             g = jnp.where(valid_BT[..., None, None], g, 0.0)
             beta = jnp.where(valid_BT[..., None], beta, 0.0)

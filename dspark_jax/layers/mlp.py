@@ -9,15 +9,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.layers.linear import Linear
+from dspark_jax.numerics import acc_dtype
 
 Activation = Literal["silu", "situ"]
 
 
 def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """K3's SiTU GLU in fp32: `[beta*tanh(g/beta) * sigmoid(g)] * [linear_beta*tanh(u/linear_beta)]`.
+    """K3's SiTU GLU in fp32 (float64 for float64 inputs):
+    `[beta*tanh(g/beta) * sigmoid(g)] * [linear_beta*tanh(u/linear_beta)]`.
     Both halves are soft-clipped (|gate branch| < beta, |up branch| < linear_beta)."""
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
+    acc = acc_dtype(gate, up)
+    g = gate.astype(acc)
+    u = up.astype(acc)
     return (beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)) * (linear_beta * jnp.tanh(u / linear_beta))
 
 
@@ -29,7 +32,7 @@ def glu(gate: jax.Array, up: jax.Array, act: Activation, beta: float = 4.0,
     if act == "situ":
         return situ(gate, up, beta, linear_beta).astype(gate.dtype)
     if act == "silu":
-        return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+        return jax.nn.silu(gate.astype(acc_dtype(gate))).astype(gate.dtype) * up
     raise ValueError(f"unknown GLU activation {act!r} (expected 'silu' or 'situ')")
 
 

@@ -25,6 +25,7 @@ from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mlp import GLUMLP, glu
 from dspark_jax.layers.mxfp4 import E2M1_CODE_RMS, mxfp4_dequantize
 from dspark_jax.layers.norms import RMSNorm
+from dspark_jax.numerics import acc_dtype
 from dspark_jax.params import param
 
 EP_AXIS = "tensor"
@@ -32,15 +33,16 @@ EP_AXIS = "tensor"
 
 def route(logits_f32: jax.Array, bias: jax.Array, cfg: KimiConfig) -> tuple[jax.Array, jax.Array]:
     """`noaux_tc` routing: `[..., E]` router logits -> (expert ids `[..., K]` int32, combine weights
-    `[..., K]` fp32).
+    `[..., K]` fp32; float64 for float64 logits).
 
     Selection uses `sigmoid(logits) + bias`; with `num_expert_group > 1` only the `topk_group`
     groups with the largest sum of their top-2 biased scores compete (others masked to -inf, as
     transformers does). The weights are the UNBIASED scores of the chosen experts, renormalised
     (`+1e-20`) if `moe_renormalize`, times `routed_scaling_factor`.
     """
-    scores = jax.nn.sigmoid(logits_f32.astype(jnp.float32))
-    choice = scores + bias.astype(jnp.float32)
+    acc = acc_dtype(logits_f32)
+    scores = jax.nn.sigmoid(logits_f32.astype(acc))
+    choice = scores + bias.astype(acc)
     n_group, n_exp = cfg.num_expert_group, scores.shape[-1]
     if n_group > 1:
         grouped = choice.reshape(*choice.shape[:-1], n_group, n_exp // n_group)
@@ -58,7 +60,7 @@ def route(logits_f32: jax.Array, bias: jax.Array, cfg: KimiConfig) -> tuple[jax.
 def combine_matrix(idx_NK: jax.Array, weights_NK: jax.Array, num_experts: int) -> jax.Array:
     """Dense `[N, E]` combine weights (zero where an expert was not chosen)."""
     rows = jnp.arange(idx_NK.shape[0])[:, None]
-    return jnp.zeros((idx_NK.shape[0], num_experts), jnp.float32).at[rows, idx_NK].add(weights_NK)
+    return jnp.zeros((idx_NK.shape[0], num_experts), acc_dtype(weights_NK)).at[rows, idx_NK].add(weights_NK)
 
 
 def _expert_matrix(arrays: tuple[jax.Array, ...], e: jax.Array, dtype) -> jax.Array:
@@ -70,7 +72,8 @@ def _expert_matrix(arrays: tuple[jax.Array, ...], e: jax.Array, dtype) -> jax.Ar
 def expert_mixture(z_ND: jax.Array, combine_NE: jax.Array, w1: tuple[jax.Array, ...],
                    w3: tuple[jax.Array, ...], w2: tuple[jax.Array, ...], *, act: str,
                    beta: float = 4.0, linear_beta: float = 25.0, ep_axis: str | None = None) -> jax.Array:
-    """`sum_e combine[:, e] * down_e(act(gate_e(z), up_e(z)))` in fp32, one expert at a time.
+    """`sum_e combine[:, e] * down_e(act(gate_e(z), up_e(z)))` in fp32 (float64 for float64 `z`),
+    one expert at a time.
 
     `w1`/`w3` (`[E, I, Din]`) and `w2` (`[E, Din, I]`) are `(weight,)` or MXFP4
     `(weight_packed, weight_scale)`; E is the local expert count under EP. Matmuls run in the
@@ -79,6 +82,7 @@ def expert_mixture(z_ND: jax.Array, combine_NE: jax.Array, w1: tuple[jax.Array, 
     experts are split over, when called inside one.
     """
     dtype = z_ND.dtype
+    acc_t = acc_dtype(z_ND)
 
     def one_expert(e, acc_ND):
         w_N = combine_NE[:, e]
@@ -88,11 +92,11 @@ def expert_mixture(z_ND: jax.Array, combine_NE: jax.Array, w1: tuple[jax.Array, 
             up_NI = jnp.einsum("nd,id->ni", z_ND, _expert_matrix(w3, e, dtype))
             h_NI = glu(gate_NI, up_NI, act, beta, linear_beta)
             out_ND = jnp.einsum("ni,di->nd", h_NI, _expert_matrix(w2, e, dtype))
-            return acc + w_N[:, None] * out_ND.astype(jnp.float32)
+            return acc + w_N[:, None].astype(acc_t) * out_ND.astype(acc_t)
 
         return jax.lax.cond(jnp.any(w_N != 0), run, lambda acc: acc, acc_ND)
 
-    acc = jnp.zeros(z_ND.shape, jnp.float32)
+    acc = jnp.zeros(z_ND.shape, acc_t)
     if ep_axis is not None:
         # inside shard_map the local experts' outputs vary over the EP axis; the carry must too
         acc = jax.lax.pcast(acc, ep_axis, to="varying")
@@ -120,9 +124,11 @@ class Router(nnx.Module):
         self.e_score_correction_bias = param((num_experts,), jnp.float32, ("experts",), rngs, init="zeros")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """fp32 logits `x.f32 @ W.f32.T` (elementwise-exact on every backend: HIGHEST precision)."""
-        return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), self.weight.get_value().astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
+        """fp32 logits `x.f32 @ W.f32.T` (elementwise-exact on every backend: HIGHEST precision);
+        float64 for float64 inputs or weights."""
+        w = self.weight.get_value()
+        acc = acc_dtype(x, w)
+        return jnp.einsum("...d,ed->...e", x.astype(acc), w.astype(acc), precision=jax.lax.Precision.HIGHEST)
 
 
 class ExpertWeight(nnx.Module):

@@ -1,4 +1,5 @@
-"""RMSNorm (spec A.5.1): statistics in fp32, normalised value cast back before the weight."""
+"""RMSNorm (spec A.5.1): statistics in fp32 (float64 for float64 inputs: parity tests under x64),
+normalised value cast back before the weight."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.numerics import acc_dtype
 from dspark_jax.params import param
 
 
 def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x / rms(x) in fp32 (no weight)."""
-    xf = x.astype(jnp.float32)
+    """x / rms(x) in fp32, or float64 for a float64 x (no weight)."""
+    xf = x.astype(acc_dtype(x))
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 

@@ -7,7 +7,8 @@ Two pairings of the rotary lanes exist and must not be confused (spec C.4, LUMEN
 - half-split / NeoX (`interleaved=False`): pairs (x[i], x[i+R/2]); the Llama target.
 
 The frequency table is a static numpy constant (never a Param, never trained or checkpointed);
-angles, cos/sin and the rotation are computed in fp32 and the result is cast back.
+angles, cos/sin and the rotation are computed in fp32 and the result is cast back (in float64 for
+a float64 input: parity tests under x64, where the float32 table values are used as they are).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import RopeScaling, yarn_mscale
+from dspark_jax.numerics import acc_dtype
 
 
 def _is_yarn(rope: RopeScaling) -> bool:
@@ -119,22 +121,23 @@ class RotaryEmbedding:
         return (f"RotaryEmbedding(rotary_dim={self.rotary_dim}, attention_factor={self.attention_factor}, "
                 f"interleaved={self.interleaved})")
 
-    def cos_sin(self, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """fp32 cos/sin [..., R/2] of the per-pair angles, multiplier applied."""
-        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq)
+    def cos_sin(self, positions: jnp.ndarray, dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """cos/sin [..., R/2] of the per-pair angles in `dtype` (fp32, or float64), multiplier applied."""
+        angles = positions.astype(dtype)[..., None] * jnp.asarray(self.inv_freq).astype(dtype)
         return jnp.cos(angles) * self.attention_factor, jnp.sin(angles) * self.attention_factor
 
     def __call__(self, x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
         """Rotate x [..., T, R] or [..., T, N, R] at positions [..., T]."""
         if x.shape[-1] != self.rotary_dim:
             raise ValueError(f"last dim {x.shape[-1]} != rotary_dim {self.rotary_dim}")
-        cos, sin = self.cos_sin(positions)
+        acc = acc_dtype(x)
+        cos, sin = self.cos_sin(positions, acc)
         extra = x.ndim - positions.ndim - 1       # 1 when x carries a heads axis
         if extra not in (0, 1):
             raise ValueError(f"x {x.shape} does not match positions {positions.shape}")
         if extra:
             cos, sin = cos[..., None, :], sin[..., None, :]
-        xf = x.astype(jnp.float32)
+        xf = x.astype(acc)
         if self.interleaved:
             a, b = xf[..., 0::2], xf[..., 1::2]
             out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(xf.shape)

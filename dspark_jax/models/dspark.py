@@ -26,28 +26,38 @@ from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
 from dspark_jax.layers.norms import RMSNorm, rms_norm
+from dspark_jax.numerics import acc_dtype, einsum_acc
+from dspark_jax.sampling import markov_draft
+
+
+def block_input_ids(anchor_X: jax.Array, num_tokens: int, mask_token_id: int) -> jax.Array:
+    """The block's input ids `[x0, M x (T-1)]` [..., T] for anchors x0 [...] (spec C.3): one
+    definition for serving (`steps.draft_block`), the cacheless reference and training."""
+    mask = jnp.full(anchor_X.shape + (num_tokens - 1,), mask_token_id, anchor_X.dtype)
+    return jnp.concatenate([anchor_X[..., None], mask], axis=-1)
 
 
 class K3DSparkLayer(nnx.Module):
     """Pre-norm MLA (YaRN, interleaved, non-causal block) + SwiGLU."""
 
-    def __init__(self, cfg: DraftConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DraftConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         h = cfg.hidden_size
+        self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = MLAttention.for_draft(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = GLUMLP(h, cfg.intermediate_size, act="silu", dtype=dtype, rngs=rngs)
 
     def forward_with(self, h_BTD: jax.Array, attend) -> jax.Array:
-        """The layer with its attention supplied: `attend(self_attn, normed_input) -> out`.
-        Generation attends over the paged pool, training through the multi-anchor block-sparse
-        attention (`kernels.dispatch.block_sparse_attention`)."""
-        h_BTD = h_BTD + attend(self.self_attn, self.input_layernorm(h_BTD))
+        """The layer with its attention supplied: `attend(layer_idx, self_attn, normed_input) -> out`
+        (the models' one callback signature). Generation attends over the paged pool, training
+        through the multi-anchor block-sparse attention (`kernels.dispatch.block_sparse_attention`)."""
+        h_BTD = h_BTD + attend(self.layer_idx, self.self_attn, self.input_layernorm(h_BTD))
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
     def __call__(self, h_BTD: jax.Array, positions_BT: jax.Array, kv_ctx_BSL: jax.Array,
                  ctx_mask_BTS: jax.Array, *, absorbed: bool = False) -> jax.Array:
-        def attend(attn: MLAttention, a_BTD: jax.Array) -> jax.Array:
+        def attend(idx: int, attn: MLAttention, a_BTD: jax.Array) -> jax.Array:
             kv_blk_BTL = attn.latent_kv(a_BTD, positions_BT)
             kv_BSL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BTL.dtype), kv_blk_BTL], axis=1)
             b, t = positions_BT.shape
@@ -59,7 +69,8 @@ class K3DSparkLayer(nnx.Module):
 
 
 class MarkovHead(nnx.Module):
-    """Low-rank bigram bias: bias(prev) = W1[prev] @ W2^T, both [V, r], computed in fp32."""
+    """Low-rank bigram bias: bias(prev) = W1[prev] @ W2^T, both [V, r], computed in fp32 (float64
+    for float64 weights)."""
 
     def __init__(self, vocab_size: int, rank: int, *, dtype, rngs: nnx.Rngs):
         self.markov_w1 = Linear(rank, vocab_size, axes=("vocab", "markov"), dtype=dtype, rngs=rngs)
@@ -70,8 +81,9 @@ class MarkovHead(nnx.Module):
         return jnp.take(self.markov_w1.weight.get_value(), prev_ids, axis=0)
 
     def __call__(self, prev_ids: jax.Array) -> jax.Array:
-        w2_VR = self.markov_w2.weight.get_value().astype(jnp.float32)
-        return jnp.einsum("...r,vr->...v", self.prev_features(prev_ids).astype(jnp.float32), w2_VR)
+        w2_VR = self.markov_w2.weight.get_value()
+        acc = acc_dtype(w2_VR)
+        return jnp.einsum("...r,vr->...v", self.prev_features(prev_ids).astype(acc), w2_VR.astype(acc))
 
 
 class ConfidenceHead(nnx.Module):
@@ -91,8 +103,8 @@ class K3DSparkModel(nnx.Module):
         self.context_proj = Linear(cfg.num_aux * cfg.target_hidden_size, h, axes=("embed", "aux"),
                                    dtype=dtype, rngs=rngs)
         self.context_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([K3DSparkLayer(cfg, dtype=dtype, rngs=rngs)
-                                for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([K3DSparkLayer(cfg, i, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, dtype=dtype, rngs=rngs)
                             if cfg.markov_rank > 0 else None)
@@ -109,8 +121,7 @@ class K3DSparkModel(nnx.Module):
         concatenated aux hidden states at absolute positions (no input_layernorm, no queries)."""
         w_DA = self.context_proj.weight.get_value()
         # the 35840-wide contraction accumulates in fp32 and rounds once, like a bf16 GEMM
-        proj_BND = jnp.einsum("bna,da->bnd", aux_BNA.astype(w_DA.dtype), w_DA,
-                              preferred_element_type=jnp.float32).astype(w_DA.dtype)
+        proj_BND = einsum_acc("bna,da->bnd", aux_BNA.astype(w_DA.dtype), w_DA).astype(w_DA.dtype)
         ctx_BND = rms_norm(proj_BND, self.context_norm.weight.get_value(), self.context_norm.eps)
         return jnp.stack([layer.self_attn.latent_kv(ctx_BND, positions_BN) for layer in self.layers])
 
@@ -128,9 +139,15 @@ class K3DSparkModel(nnx.Module):
     def block_hidden_with(self, block_embeds_BTD: jax.Array, attend) -> jax.Array:
         """`block_hidden` with the attention supplied per layer: `attend(l, self_attn, a)`."""
         h_BTD = block_embeds_BTD
-        for l, layer in enumerate(self.layers):
-            h_BTD = layer.forward_with(h_BTD, lambda attn, a, l=l: attend(l, attn, a))
+        for layer in self.layers:
+            h_BTD = layer.forward_with(h_BTD, attend)
         return self.final_norm(h_BTD)
+
+    def base_logits(self, h_XD: jax.Array, lm_head_VD: jax.Array) -> jax.Array:
+        """The target's lm_head on the draft's hidden states [..., D] -> [..., V], accumulated and
+        returned in float32 (float64 under x64): the one precision of draft logits, in serving and
+        in training alike (a bf16 draft rounds nothing here)."""
+        return einsum_acc("...d,vd->...v", h_XD.astype(lm_head_VD.dtype), lm_head_VD)
 
     # -- Markov head --------------------------------------------------------------------------
 
@@ -143,7 +160,6 @@ class K3DSparkModel(nnx.Module):
     def markov_sample_greedy(self, base_logits_BTV: jax.Array, x0_B: jax.Array) -> jax.Array:
         """Drafts [B,T] left to right: d_{k+1} = argmax(base_k + bias(prev_k)), prev_0 = x0,
         prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling; the generation code path)."""
-        from dspark_jax.steps import markov_draft
         return markov_draft(self, base_logits_BTV, x0_B)[0]
 
     # -- confidence head ----------------------------------------------------------------------
@@ -158,8 +174,8 @@ class K3DSparkModel(nnx.Module):
         if self.confidence_with_markov:
             feats.append(self.markov_head.prev_features(prev_ids_BT).astype(w_1F.dtype))
         x_BTF = jnp.concatenate(feats, axis=-1)
-        logit_BT1 = jnp.einsum("btf,of->bto", x_BTF, w_1F, preferred_element_type=jnp.float32)
-        return (logit_BT1 + proj.bias.get_value().astype(jnp.float32))[..., 0]
+        logit_BT1 = einsum_acc("btf,of->bto", x_BTF, w_1F)
+        return (logit_BT1 + proj.bias.get_value().astype(logit_BT1.dtype))[..., 0]
 
     def confidence(self, h_BTD: jax.Array, prev_ids_BT: jax.Array) -> jax.Array:
         """sigmoid(confidence_logit) in fp32, [B,T]."""
@@ -187,21 +203,14 @@ def _block_forward(draft: K3DSparkModel, aux_BNA: jax.Array, x0_B: jax.Array, em
     dtype = draft.context_proj.weight.get_value().dtype
     n = aux_BNA.shape[1]
     kv_ctx_LBNL = draft.context_rows(aux_BNA, jnp.arange(n, dtype=jnp.int32)[None])
-    ids_BT = jnp.concatenate([x0_B[:, None], jnp.full((1, t - 1), draft.cfg.mask_token_id, jnp.int32)], 1)
+    ids_BT = block_input_ids(x0_B, t, draft.cfg.mask_token_id)
     pos_BT = (n + jnp.arange(t, dtype=jnp.int32))[None]
     h_BTD = draft.block_hidden(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), pos_BT, kv_ctx_LBNL,
                                jnp.ones((1, t, n), bool))
-    base_BTV = jnp.einsum("btd,vd->btv", h_BTD.astype(lm_head_VD.dtype), lm_head_VD).astype(jnp.float32)
+    base_BTV = draft.base_logits(h_BTD, lm_head_VD)
     drafts_BT = draft.markov_sample_greedy(base_BTV, x0_B)
     conf_BT = None
     if draft.confidence_head is not None:
         prev_BT = jnp.concatenate([x0_B[:, None], drafts_BT[:, :-1]], axis=1)
         conf_BT = draft.confidence(h_BTD, prev_BT)[0]
     return base_BTV[0], drafts_BT[0], conf_BT
-
-
-def load_draft(path, *, dtype=None, mesh=None) -> K3DSparkModel:
-    """A draft from a torch-layout or Orbax-layout directory (`checkpoint.draft_io.load_draft`)."""
-    from dspark_jax.checkpoint.draft_io import load_draft as load
-
-    return load(path, dtype=dtype, mesh=mesh)

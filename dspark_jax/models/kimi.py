@@ -8,8 +8,8 @@ Every decoder layer returns what spec B calls the layer's output: the running re
 Kimi-Linear (HF `hidden_states[L+1]`), the within-block partial sum `prefix` for K3. That value is
 what the DSpark draft captures as aux hidden state.
 
-The layer body takes the attention as a callable, so the cacheless forward here and the cached
-prefill/verify step of `dspark_jax.steps` run the same residual/FFN code.
+The layer body takes the attention as a callable, so the cacheless forward and the cached
+prefill/verify (`forward_cached`) run the same residual/FFN code.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.cache import KDAStates, TargetCaches
 from dspark_jax.config import KimiConfig
 from dspark_jax.layers.attn_res import attn_res
-from dspark_jax.layers.kda import KimiDeltaAttention
+from dspark_jax.layers.kda import KDASnapshots, KDAState, KimiDeltaAttention
 from dspark_jax.layers.linear import Embed, Linear
 from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
@@ -39,8 +40,9 @@ class Residual(NamedTuple):
     blocks: tuple[jax.Array, ...]
 
 
-# (layer, normed input [B,S,D]) -> attention output [B,S,D]
-AttentionFn = Callable[["KimiDecoderLayer", jax.Array], jax.Array]
+# (layer index, its attention module, normed input [B,S,D]) -> attention output [B,S,D]: the one
+# callback signature of every model (llama's and the draft's take the same)
+AttentionFn = Callable[[int, nnx.Module, jax.Array], jax.Array]
 
 
 class KimiDecoderLayer(nnx.Module):
@@ -81,7 +83,7 @@ class KimiDecoderLayer(nnx.Module):
     def __call__(self, res: Residual, attention: AttentionFn) -> Residual:
         if self.block_size is None:
             h = res.prefix
-            h = h + attention(self, self.input_layernorm(h))
+            h = h + attention(self.layer_idx, self.self_attn, self.input_layernorm(h))
             h = h + self.ffn(self.post_attention_layernorm(h))
             return Residual(h, ())
         prefix, blocks = res
@@ -89,7 +91,7 @@ class KimiDecoderLayer(nnx.Module):
         if self.layer_idx % self.block_size == 0:
             # bank the running sum BEFORE this layer's attention (layer 0 banks the embeddings)
             blocks, prefix = blocks + (prefix,), None
-        a = attention(self, self.input_layernorm(h))
+        a = attention(self.layer_idx, self.self_attn, self.input_layernorm(h))
         prefix = a if prefix is None else prefix + a
         h = self._mix(prefix, blocks, self.mlp_res_norm, self.mlp_res_proj)
         prefix = prefix + self.ffn(self.post_attention_layernorm(h))
@@ -152,10 +154,10 @@ class KimiLinearModel(TargetLM):
         causal = jnp.tril(jnp.ones((s, s), bool))[None]
         mask = causal if valid_BS is None else causal & valid_BS[:, None, :]
 
-        def attention(layer: KimiDecoderLayer, x: jax.Array) -> jax.Array:
-            if layer.is_mla:
-                return layer.self_attn(x, positions, mask)
-            out, _ = layer.self_attn(x, None, mode="chunked", valid_BT=valid_BS)
+        def attention(idx: int, attn: nnx.Module, x: jax.Array) -> jax.Array:
+            if self.cfg.is_mla(idx):
+                return attn(x, positions, mask)
+            out, _ = attn(x, None, mode="chunked", valid_BT=valid_BS)
             return out
 
         res, aux = self.run_layers(self.model.embed_tokens(token_ids_BS), attention, aux_layer_ids)
@@ -163,6 +165,61 @@ class KimiLinearModel(TargetLM):
         return ForwardOutput(self.logits(final), aux, final)
 
     __call__ = forward
+
+    # -- cached (generation) ------------------------------------------------------------------
+
+    @property
+    def attention_rows(self) -> int:
+        return len(self.cfg.full_attn_layers)
+
+    @property
+    def row_width(self) -> int:
+        return self.cfg.kv_latent_dim
+
+    def new_kda_states(self, batch: int, dtype) -> KDAStates | None:
+        cfg = self.cfg
+        if not cfg.kda_layers:
+            return None
+        return KDAStates.create(len(cfg.kda_layers), batch, 3 * cfg.kda_num_heads * cfg.kda_head_dim,
+                                cfg.short_conv_kernel_size, cfg.kda_num_heads, cfg.kda_head_dim, dtype)
+
+    def forward_cached(self, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
+                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
+                       ) -> tuple[ForwardOutput, TargetCaches, KDASnapshots | None]:
+        """MLA layers write their latent rows into the pool and attend over it; KDA layers run
+        chunked from their states (prefill) or recurrent with one snapshot per token (verify)."""
+        cfg = self.cfg
+        pool, kda = caches
+        mla_row, kda_row = cfg.mla_layer_index, cfg.kda_layer_index
+        new_conv, new_ssm, snap_conv, snap_ssm = {}, {}, {}, {}
+
+        def attention(idx: int, attn: nnx.Module, x: jax.Array) -> jax.Array:
+            nonlocal pool
+            if cfg.is_mla(idx):
+                row = mla_row[idx]
+                pool = pool.write(row, positions_BT, attn.latent_kv(x, positions_BT), valid_BT)
+                return attn.attend_paged(x, positions_BT, pool, row, causal=True)
+            i = kda_row[idx]
+            state = KDAState(kda.conv[i], kda.ssm[i])
+            if verify:
+                out, st, snaps = attn(x, state, mode="recurrent", valid_BT=valid_BT, return_snapshots=True)
+                snap_conv[i], snap_ssm[i] = snaps.conv, snaps.ssm
+            else:
+                out, st = attn(x, state, mode="chunked", valid_BT=valid_BT)
+            new_conv[i], new_ssm[i] = st.conv, st.ssm
+            return out
+
+        res, aux = self.run_layers(self.model.embed_tokens(tokens_BT), attention, aux_layer_ids)
+        final = self.model.final_hidden(res)
+        n_kda = len(cfg.kda_layers)
+        if n_kda:
+            kda = KDAStates(jnp.stack([new_conv[i] for i in range(n_kda)]),
+                            jnp.stack([new_ssm[i] for i in range(n_kda)]))
+        snaps = None
+        if verify and n_kda:
+            snaps = KDASnapshots(jnp.stack([snap_conv[i] for i in range(n_kda)]),
+                                 jnp.stack([snap_ssm[i] for i in range(n_kda)]))
+        return ForwardOutput(self.logits(final), aux, final), TargetCaches(pool, kda), snaps
 
 
 def _check_aux_ids(ids: Sequence[int], n_layers: int) -> None:

@@ -21,12 +21,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dspark_jax import params as params_lib
+from dspark_jax.cache import TargetCaches
 from dspark_jax.checkpoint.loader import Progress, load_state
 from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear
 from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.outputs import ForwardOutput, TargetLM
+from dspark_jax.numerics import einsum_acc
 
 
 def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -39,8 +41,7 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     b, t, n, h = q_BTNH.shape
     k = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                              preferred_element_type=jnp.float32) * (h ** -0.5)
+    scores_BKGTS = einsum_acc("btkgh,bskh->bkgts", q_BTKGH, k_BSKH) * (h ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
@@ -48,7 +49,7 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 
 # attention(layer_idx, attn_module, normed_x_BTD) -> attention output [B,T,D]: how a layer's
-# attention gets its keys/values (this call's tokens, or steps.py's paged pool)
+# attention gets its keys/values (this call's tokens, or the paged pool of `forward_cached`)
 AttentionFn = Callable[[int, "LlamaAttention", jax.Array], jax.Array]
 
 
@@ -155,6 +156,37 @@ class LlamaModel(TargetLM):
         return self.run(token_ids_BS, attention, aux_layer_ids)
 
     __call__ = forward
+
+    # -- cached (generation): one pool row per layer holds `[k | v]` -------------------------------
+
+    @property
+    def attention_rows(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    @property
+    def row_width(self) -> int:
+        return 2 * self.cfg.num_key_value_heads * self.cfg.head_dim
+
+    def forward_cached(self, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
+                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
+                       ) -> tuple[ForwardOutput, TargetCaches, None]:
+        """Each layer writes its rotated keys and values at the tokens' positions, then attends
+        over the logical cache up to each query's position. `verify` changes nothing here."""
+        del verify
+        pool = caches.pool
+        dtype = self.dtype
+        mask_BTS = jnp.arange(pool.max_len)[None, None, :] <= positions_BT[:, :, None]
+
+        def attention(layer_idx: int, attn: LlamaAttention, x: jax.Array) -> jax.Array:
+            nonlocal pool
+            q, k, v = attn.project(x, positions_BT)           # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
+            b, t, nkv, hd = k.shape
+            pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
+            kv = pool.read(layer_idx, dtype, 2 * nkv * hd).reshape(b, -1, nkv, 2 * hd)
+            return attn.attend(q, kv[..., :hd], kv[..., hd:], mask_BTS)
+
+        out = self.run(tokens_BT, attention, aux_layer_ids)
+        return out, TargetCaches(pool, None), None
 
 
 def _dtype_from_config(name: str):

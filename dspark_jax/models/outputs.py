@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
+from dspark_jax.cache import KDAStates, TargetCaches
 from dspark_jax.layers.linear import Linear
 
 
@@ -40,6 +41,28 @@ class TargetLM(nnx.Module):
     @property
     def dtype(self):
         return self.model.embed_tokens.weight.get_value().dtype
+
+    # -- the cached interface every family implements (steps.target_forward, engine.Engine) ----
+
+    @property
+    def attention_rows(self) -> int:
+        """Rows of the paged pool this target's attention layers take (a draft's rows follow)."""
+        raise NotImplementedError
+
+    @property
+    def row_width(self) -> int:
+        """Width of one of its pool rows."""
+        raise NotImplementedError
+
+    def new_kda_states(self, batch: int, dtype) -> KDAStates | None:
+        """Zero linear-attention states for `batch` sequences (None: the family has none)."""
+        return None
+
+    def forward_cached(self, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
+                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool):
+        """(ForwardOutput, caches, KDA snapshots or None) for T tokens per sequence at their
+        positions: see `steps.target_forward`."""
+        raise NotImplementedError
 
     def logits(self, final_hidden: jax.Array) -> jax.Array:
         if self.cfg.tie_word_embeddings:

@@ -4,12 +4,14 @@ cumulative since start), `/metrics` (Prometheus text).
 
 Handlers validate and tokenize, then hand a `Request` to the `EngineWorker` (the model's one
 thread) and await its `Update`s. A client that goes away (stream closed, or a non-streaming
-request disconnected) aborts its request, which frees its slot.
+request disconnected) aborts its request, which frees its slot. The API key is compared in
+constant time; a request body over `max_request_bytes` is answered 413 without being read whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -22,7 +24,9 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from dspark_jax.generate import Request, RequestError, output_text, stop_checker
+from dspark_jax.batcher import Request
+from dspark_jax.errors import RequestError
+from dspark_jax.generate import output_text, stop_checker
 from dspark_jax.serving.metrics import Metrics
 from dspark_jax.serving.protocol import ApiError, Limits, ParsedRequest, parse_chat, parse_completion
 from dspark_jax.serving.worker import EngineWorker, Handle, QueueFull, Update
@@ -30,6 +34,9 @@ from dspark_jax.serving.worker import EngineWorker, Handle, QueueFull, Update
 log = logging.getLogger("dspark_jax.serving")
 
 DISCONNECT_POLL_S = 0.5     # how often a waiting non-streaming handler checks its client
+# Request bodies above this many bytes get HTTP 413 (`--max_request_bytes`). 8 MiB holds a
+# 1M-token prompt sent as token ids (about 8 bytes an id in JSON) or several MB of chat text.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -40,6 +47,7 @@ class ServerConfig:
     vocab_size: int
     eos_ids: frozenset[int]
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class TextStream:
@@ -135,15 +143,46 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
         metrics.inc("http_requests", path=path, status=str(response.status_code))
         return response
 
+    # the expected header as bytes; starlette decodes header values as latin-1, so encoding the
+    # received value back to latin-1 gives the bytes the client sent (a non-ASCII key compares too)
+    expected_auth = None if cfg.api_key is None else b"Bearer " + cfg.api_key.encode("utf-8")
+
     def authorize(request: HttpRequest) -> None:
-        if cfg.api_key is None:
+        if expected_auth is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+        got = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(got, expected_auth):       # constant time: no timing oracle on the key
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            kind="authentication_error", code="invalid_api_key")
 
+    def too_large() -> ApiError:
+        return ApiError(413, f"request body exceeds max_request_bytes={cfg.max_request_bytes} bytes "
+                        "(the server's --max_request_bytes)", kind="invalid_request_error",
+                        code="request_too_large")
+
+    async def read_body(request: HttpRequest) -> bytes:
+        """The body, at most `cfg.max_request_bytes` of it: a larger declared Content-Length is
+        refused before anything is read, and a body without one (chunked) is counted chunk by chunk
+        and refused as soon as it passes the limit, so an oversized body is never held in memory."""
+        limit = cfg.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise ApiError(400, f"invalid Content-Length header: {declared!r}") from None
+            if size > limit:
+                raise too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def body_of(request: HttpRequest):
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -23,8 +23,12 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from dspark_jax.data.benchmarks import BenchItem, load_benchmark
-from dspark_jax.generate import (Batcher, Engine, Request, RequestError, SpecStats, encode_prompt, eos_ids,
-                                 output_text)
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.errors import RequestError
+from dspark_jax.generate import encode_prompt, eos_ids, output_text
+from dspark_jax.stats import SpecStats
 
 CARD_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt_bench": "MT-Bench", "aime": "AIME 2026"}
 ALIASES = {"mtbench": "mt_bench", "mt-bench": "mt_bench", "aime26": "aime", "aime2026": "aime"}
@@ -71,16 +75,15 @@ class BenchResult:
 class Runner:
     """Greedy, concurrency-1 generation of benchmark conversations for one (target, draft).
 
-    One-slot batchers are kept per cache capacity (powers of two from 256 up to `max_model_len`),
-    so a short conversation does not hold a cache sized for the longest one. `max_turns` cuts
-    multi-turn items (MT-Bench first turns: 1)."""
+    One-slot batchers are kept per cache capacity (powers of two from 256 up to the config's
+    `max_len_for(target)`), so a short conversation does not hold a cache sized for the longest one.
+    `max_turns` cuts multi-turn items (MT-Bench first turns: 1)."""
 
-    def __init__(self, target, draft, tokenizer, *, num_speculative_tokens: int, max_new_tokens: int,
-                 max_model_len: int, kv_cache_dtype: str = "auto", block_size: int = 16,
+    def __init__(self, target, draft, tokenizer, config: EngineConfig, *, max_new_tokens: int,
                  max_turns: int | None = None):
-        t = num_speculative_tokens if draft is not None else 0
-        self.engine = Engine(target, draft if t else None, t, kv_cache_dtype=kv_cache_dtype, page_size=block_size)
-        self.max_model_len = max_model_len
+        draft, config = config.for_pair(draft)
+        self.engine = Engine(target, draft, config)
+        self.max_model_len = config.max_len_for(target)
         self._batchers: dict[int, Batcher] = {}
         self.tokenizer, self.max_new_tokens, self.max_turns = tokenizer, max_new_tokens, max_turns
         self.eos = frozenset(eos_ids(target, tokenizer))

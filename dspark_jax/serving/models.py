@@ -23,7 +23,9 @@ from flax import nnx
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
 from dspark_jax.config import DraftConfig
-from dspark_jax.generate import pool_geometry, tokenizer_for
+from dspark_jax.engine import pool_geometry
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.generate import tokenizer_for
 from dspark_jax.presets import resolve_model_path
 
 log = logging.getLogger("dspark_jax.serving")
@@ -117,10 +119,11 @@ def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: i
                      None if draft is None else draft_name, mesh)
 
 
-def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: str, store_dtype=None,
-             block_size: int | None = None, max_num_seqs: int | None = None,
-             max_model_len: int | None = None) -> list[str]:
-    """What the entry point detected, one line per component (logged at start-up)."""
+def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: bool = False) -> list[str]:
+    """What the entry point detected, one line per component (logged at start-up); `pool`: also
+    the page size and the paged pool's size (the server, which allocates it for its slots)."""
+    draft, config = config.for_pair(pair.draft)
+    num_speculative_tokens = config.num_speculative_tokens
     cfg = pair.target.cfg
     lines = []
     fam = f"family={cfg.family}"
@@ -129,7 +132,7 @@ def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: st
                 f"{cfg.num_experts} routed experts)")
     lines.append(f"target: {pair.target_name}: {fam}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                  f"vocab {cfg.vocab_size}, params {jax.numpy.dtype(pair.target.dtype).name}")
-    if pair.draft is None or num_speculative_tokens == 0:
+    if draft is None:
         lines.append("drafter: none (plain decoding)")
     else:
         dc = pair.draft.cfg
@@ -137,13 +140,12 @@ def describe(pair: ModelPair, *, num_speculative_tokens: int, kv_cache_dtype: st
                      f"layers, block of {num_speculative_tokens} speculative tokens, aux capture layer ids "
                      f"{list(dc.target_layer_ids)}, markov rank {dc.markov_rank}, confidence head "
                      f"{'on' if dc.enable_confidence_head else 'off'}")
-    cache = f"kv cache: --kv_cache_dtype {kv_cache_dtype}"
+    cache = f"kv cache: --kv_cache_dtype {config.kv_cache_dtype}"
     if store_dtype is not None:
         cache += f" -> stored as {jax.numpy.dtype(store_dtype).name}"
-    if block_size is not None:
-        cache += f", block_size {block_size}"
-    if max_num_seqs is not None and max_model_len is not None:
-        draft = pair.draft if num_speculative_tokens else None
+    if pool:
+        max_num_seqs, max_model_len = config.max_num_seqs, config.max_len_for(pair.target)
+        cache += f", block_size {config.page_size}"
         rows, width = pool_geometry(pair.target, draft)
         itemsize = jax.numpy.dtype(store_dtype or pair.target.dtype).itemsize
         nbytes = rows * max_num_seqs * max_model_len * width * itemsize

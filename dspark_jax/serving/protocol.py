@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 import jinja2
 
-from dspark_jax.generate import RequestError, encode_prompt
+from dspark_jax.errors import RequestError
+from dspark_jax.generate import encode_prompt
 
 MAX_STOP_STRINGS = 16
 

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark_jax.generate import Batcher, Request, RequestError
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.errors import RequestError
 
 log = logging.getLogger("dspark_jax.serving")
 

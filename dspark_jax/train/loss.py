@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from dspark_jax.kernels import dispatch
 from dspark_jax.layers.mla import split_kv_b
+from dspark_jax.models.dspark import block_input_ids
+from dspark_jax.numerics import einsum_acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +117,7 @@ def make_blocks(input_ids_BS: jax.Array, loss_mask_BS: jax.Array, anchors: Ancho
         return jnp.take_along_axis(x_BS, idx, axis=1).reshape(idx_BAT.shape)
 
     x0_BA = jnp.take_along_axis(input_ids_BS, a_BA, axis=1)
-    ids_BAT = jnp.full((b, a_BA.shape[1], t), mask_token_id, input_ids_BS.dtype)
-    ids_BAT = ids_BAT.at[..., 0].set(jnp.where(keep_BA, x0_BA, mask_token_id))
+    ids_BAT = block_input_ids(jnp.where(keep_BA, x0_BA, mask_token_id), t, mask_token_id)
     labels_BAT = gather(input_ids_BS, lab_pos_BAT)
     prev_BAT = gather(input_ids_BS, pos_BAT)
     supervised_BAT = keep_BA[..., None] & (lab_pos_BAT < s) & gather(loss_mask_BS.astype(bool), lab_pos_BAT)
@@ -208,14 +209,11 @@ def distill_outputs(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, input_ids
     embeds_BATD = jnp.take(embed_VD, blocks.input_ids_BAT, axis=0)
     h_BATD = multi_anchor_hidden(draft, embeds_BATD, blocks.positions_BAT, kv_LBSW, anchors)
 
-    base_BATV = jnp.einsum("batd,vd->batv", h_BATD.astype(lm_head_VD.dtype), lm_head_VD,
-                           preferred_element_type=jnp.float32)
-    draft_logits_BATV = base_BATV + draft.markov_bias(blocks.prev_BAT)
+    draft_logits_BATV = draft.base_logits(h_BATD, lm_head_VD) + draft.markov_bias(blocks.prev_BAT)
     # the target state at a+k is the one that predicted x_{a+k+1}; lm_head runs on whichever is
     # smaller, the S positions or the A*T gathered rows (same values, row by row)
     t_idx = jnp.clip(blocks.positions_BAT, 0, s - 1).reshape(b, -1)
-    head = lambda h: jnp.einsum("bxh,vh->bxv", h.astype(lm_head_VD.dtype), lm_head_VD,
-                                preferred_element_type=jnp.float32)
+    head = lambda h: einsum_acc("bxh,vh->bxv", h.astype(lm_head_VD.dtype), lm_head_VD)
     if s < t_idx.shape[1]:
         target_logits_BXV = jnp.take_along_axis(head(final_hidden_BSH), t_idx[..., None], axis=1)
     else:

@@ -89,6 +89,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def order_by_source(records: Sequence[Mapping[str, Any]], first: Sequence[str]) -> list:
+    """The records with those of the `first` sources moved to the front, in that source order;
+    within a source, and for the rest, the pool's order is kept."""
+    unknown = set(first) - {r.get("source") for r in records}
+    if unknown:
+        raise ValueError(f"first sources {sorted(unknown)} are not in the pool")
+    rank = {s: i for i, s in enumerate(first)}
+    return sorted(records, key=lambda r: rank.get(r.get("source"), len(first)))
+
+
 def _repair_tail(path: Path) -> None:
     """Drop a last line without its newline (the process died mid-write)."""
     if not path.exists():
@@ -174,8 +184,9 @@ def _exclusive(out: Path) -> Iterator[None]:
 def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
-    from dspark_jax.generate import (Batcher, Request, default_max_len, encode_prompt, engine_for, eos_ids,
-                                     output_text, pow2)
+    from dspark_jax.batcher import Batcher, Request, pow2
+    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.generate import default_max_len, encode_prompt, engine_for, eos_ids, output_text
 
     _check_meta(out, settings)
     _repair_tail(out)
@@ -193,7 +204,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
         raise ValueError(f"prompts longer than the target's {limit} positions: {too_long[:5]}")
     max_len = min(limit, pow2(max(len(p) for p in prompts) + settings.max_new_tokens + 1))
     eos = frozenset(eos_ids(target, tokenizer))
-    engine = engine_for(target, None, 0, settings.temperature, 1.0, "auto", 16)
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature)
     batcher = Batcher(engine, batch_size, max_len, seed=settings.seed)
     for i, p in enumerate(prompts):
         batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))

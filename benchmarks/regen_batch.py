@@ -1,0 +1,78 @@
+"""Answer-generation throughput by batch size: plain batched greedy decoding as `train.regen` runs it.
+
+    python -m benchmarks.regen_batch --prompts runs/demo/prompts.jsonl --batch_sizes 8,16,32,64
+
+For each batch size B, the continuous-batching loop (the `Batcher` regen drives) answers
+`--rounds` x B pool prompts (chat template, T=0, <= --max_new_tokens): a first pass of B prompts
+compiles every span bucket, then the timed pass answers the next `--rounds` x B prompts. Prints
+tokens/s per batch size and the ratio to the best, and writes JSON. Generated tokens count every
+emitted token (eos included), as regen's log does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+_PROMPTS = flags.DEFINE_string("prompts", None, "Prompt pool JSONL (`python -m train.prompts`).")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target directory or preset.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["8", "16", "32", "64"], "Batch sizes to measure.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Timed prompts = rounds x batch size.", lower_bound=1)
+_JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
+flags.mark_flag_as_required("prompts")
+
+
+def main(argv):
+    del argv
+    import jax.numpy as jnp
+
+    from dspark_jax import load_target
+    from dspark_jax.batcher import Batcher, Request, pow2
+    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.generate import encode_prompt, engine_for, eos_ids
+    from dspark_jax.presets import resolve_model_path
+    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.train import regen
+
+    path = resolve_model_path(_MODEL.value)
+    target = load_target(path, dtype=jnp.dtype(_DTYPE.value))
+    tok = load_tokenizer(path)
+    eos = frozenset(eos_ids(target, tok))
+    records = regen.read_jsonl(_PROMPTS.value)
+    sizes = [int(b) for b in _BATCHES.value]
+    need = max(sizes) * (_ROUNDS.value + 1)
+    prompts = [encode_prompt(regen.prompt_messages(r), tok, True) for r in records[:need]]
+    max_len = pow2(max(len(p) for p in prompts) + _NEW.value + 1)
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
+    rows = []
+    for b in sizes:
+        batcher = Batcher(engine, b, max_len)
+        # warm-up pass: compiles the prefill buckets and every span the timed pass will meet
+        batcher.run([Request(p, _NEW.value, eos_ids=eos) for p in prompts[:b]])
+        reqs = [Request(p, _NEW.value, eos_ids=eos) for p in prompts[b:b * (_ROUNDS.value + 1)]]
+        t0 = time.perf_counter()
+        batcher.run(reqs)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(r.tokens) for r in reqs)
+        rows.append({"batch_size": b, "prompts": len(reqs), "tokens": tokens, "wall_s": dt,
+                     "tok_per_s": tokens / dt, "engine_steps": batcher.num_steps})
+        print(f"batch {b:3d}: {len(reqs)} prompts, {tokens} tokens in {dt:.1f}s = {tokens / dt:.1f} tok/s",
+              flush=True)
+    best = max(r["tok_per_s"] for r in rows)
+    print("\n| batch | prompts | tokens | tok/s | vs best |\n|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch_size']} | {r['prompts']} | {r['tokens']} | {r['tok_per_s']:.1f} | "
+              f"{r['tok_per_s'] / best:.2f} |")
+    if _JSON.value:
+        Path(_JSON.value).parent.mkdir(parents=True, exist_ok=True)
+        Path(_JSON.value).write_text(json.dumps({"model": _MODEL.value, "dtype": _DTYPE.value,
+                                                 "max_new_tokens": _NEW.value, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,254 @@
+"""The engine: a (target, draft) pair split for jit, and its three compiled programs (DESIGN §4).
+
+- `prefill`: new sequences' prompts into their cache slots (only the new rows run), the first
+  token sampled, the draft's context rows written.
+- `propose`: the draft's block pass alone (the confidence schedule looks at it before verifying).
+- `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_T]` in one target forward,
+  accept, commit the KDA snapshot of the last accepted token, write the verified tokens' draft
+  context rows. T = 0 is plain decoding through the same program.
+
+Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
+static setting (sampling, span); `Engine.prefill/propose/step` call them with the engine's own
+states. The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from dspark_jax import steps
+from dspark_jax.cache import KDAStates, PagedPool, TargetCaches, storage_dtype
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.errors import RequestError
+from dspark_jax.sampling import sample_tokens
+from dspark_jax.sharding import logical_to_spec
+
+
+def embed_and_head(target):
+    """The target's embedding table and lm_head (the same array when tied): the draft uses both."""
+    embed = target.model.embed_tokens.weight.get_value()
+    head = embed if target.cfg.tie_word_embeddings else target.lm_head.weight.get_value()
+    return embed, head
+
+
+def pool_geometry(target, draft) -> tuple[int, int]:
+    """(rows, width) of the paged pool a pair needs: the target's attention rows then the
+    draft's layers, as wide as the wider of the two row kinds."""
+    rows = target.attention_rows + (draft.cfg.num_hidden_layers if draft is not None else 0)
+    return rows, max(target.row_width, draft.cfg.kv_latent_dim if draft is not None else 0)
+
+
+class Engine:
+    """Split models and the jitted programs for one (target, draft, EngineConfig) setting.
+
+    Sampling settings are static arguments of the programs (one compilation per distinct
+    (temperature, top_p)); `temperature`/`top_p` given here are the defaults of calls that pass
+    none. `draft=None` with T > 0 verifies drafts given to `step` (an external proposer)."""
+
+    def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, temperature: float = 0.0,
+                 top_p: float = 1.0):
+        self.target, self.draft, self.config = target, draft, config
+        self.t = config.num_speculative_tokens
+        self.temperature, self.top_p = sampling_key(temperature, top_p)
+        self.page_size = config.page_size
+        self.compute_dtype = target.dtype
+        self.store_dtype = storage_dtype(config.kv_cache_dtype, self.compute_dtype)
+        if draft is not None:
+            self._check_pair(target, draft)
+        if config.schedule is not None and (draft is None or not draft.cfg.enable_confidence_head):
+            raise RequestError("the confidence schedule needs a draft with a confidence head "
+                               "(enable_confidence_head in its config.json)")
+        self.schedule = config.schedule
+        self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
+        self.t_graph, self.t_state = nnx.split(target)
+        self.d_graph, self.d_state = nnx.split(draft) if draft is not None else (None, None)
+        if draft is not None:
+            # one compute dtype per engine: a bf16 draft beside an f32 target would ask XLA:CPU for
+            # bf16 x bf16 -> f32 dots, which CPUs with AMX lack (dspark_jax/numerics.py)
+            self.d_state = cast_floating(self.d_state, self.compute_dtype)
+        sharding = jax.tree.leaves(self.t_state)[0].sharding
+        self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        static = ("temperature", "top_p", "span")
+        # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
+        self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
+        self.propose_jit = jax.jit(self.propose_fn, static_argnames=static, donate_argnames=("caches",))
+        self.step_jit = jax.jit(self.step_fn, static_argnames=static, donate_argnames=("caches",))
+
+    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **static):
+        """(first tokens [P], caches): see `prefill_fn`."""
+        return self.prefill_jit(self.t_state, self.d_state, tokens_PS, lens_P, slots_P, caches, key, **static)
+
+    def propose(self, x0_B, lens_B, caches: TargetCaches, key, **static):
+        """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
+        return self.propose_jit(self.t_state, self.d_state, x0_B, lens_B, caches, key, **static)
+
+    def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, **kw):
+        """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
+        return self.step_jit(self.t_state, self.d_state, x0_B, drafts_BT, lens_B, active_B, max_len, caches, key,
+                             **kw)
+
+    @staticmethod
+    def _check_pair(target, draft) -> None:
+        tc, dc = target.cfg, draft.cfg
+        if dc.target_hidden_size != tc.hidden_size:
+            raise RequestError(f"draft target_hidden_size {dc.target_hidden_size} != target hidden_size "
+                               f"{tc.hidden_size}: the draft was trained for another target")
+        if dc.vocab_size != tc.vocab_size:
+            raise RequestError(f"draft vocab_size {dc.vocab_size} != target vocab_size {tc.vocab_size}")
+        if dc.hidden_size != tc.hidden_size:
+            raise RequestError(f"draft hidden_size {dc.hidden_size} != target hidden_size {tc.hidden_size}: "
+                               "the draft shares the target's embeddings and lm_head")
+        bad = [i for i in dc.target_layer_ids if i >= tc.num_hidden_layers]
+        if bad:
+            raise RequestError(f"draft target_layer_ids {bad} exceed the target's {tc.num_hidden_layers} layers")
+
+    # -- caches -----------------------------------------------------------------------------
+    def new_caches(self, batch: int, max_len: int) -> TargetCaches:
+        rows, width = pool_geometry(self.target, self.draft)
+        pool = PagedPool.create(rows, batch, max_len, self.page_size, width, self.store_dtype)
+        caches = TargetCaches(pool, self.target.new_kda_states(batch, self.compute_dtype))
+        return caches if self.mesh is None else jax.device_put(caches, self._cache_shardings(caches))
+
+    def _cache_shardings(self, caches: TargetCaches):
+        axes = TargetCaches(caches.pool.logical_axes(),
+                                  None if caches.kda is None else caches.kda.logical_axes())
+
+        def named(ax, x):
+            spec = list(logical_to_spec(ax, x.shape, self.mesh))
+            while spec and spec[-1] is None:     # the form XLA gives outputs: P(None, None) is P()
+                spec.pop()
+            return NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+
+        return jax.tree.map(named, axes, caches,
+                            is_leaf=lambda t: isinstance(t, tuple) and all(a is None or isinstance(a, str) for a in t))
+
+    def _pinned(self, caches: TargetCaches) -> TargetCaches:
+        """The steps return the caches in exactly `new_caches`' placement: a different output
+        sharding would make the next call (its input) compile the step a second time."""
+        if self.mesh is None:
+            return caches
+        return jax.lax.with_sharding_constraint(caches, self._cache_shardings(caches))
+
+    # -- jitted bodies ----------------------------------------------------------------------
+    def _sampling(self, temperature: float | None, top_p: float | None) -> tuple[float, float]:
+        """A call's static sampling setting; None: the engine's defaults."""
+        return sampling_key(self.temperature if temperature is None else temperature,
+                            self.top_p if top_p is None else top_p)
+
+    def merge(self, t_state, d_state):
+        """The (target, draft) modules of these states (inside a program)."""
+        target = nnx.merge(self.t_graph, t_state)
+        draft = nnx.merge(self.d_graph, d_state) if self.d_graph is not None else None
+        return target, draft
+
+    def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *,
+                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = batch size,
+        length 0) while the other slots keep their state: only the new rows run. They see the
+        pool through their own block-table rows, start from zero KDA state (whatever the slot
+        held before) and their new KDA states are scattered back into their slots."""
+        target, draft = self.merge(t_state, d_state)
+        temperature, top_p = self._sampling(temperature, top_p)
+        p, s = tokens_PS.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
+        valid = positions < lens_P[:, None]
+        full_table = caches.pool.block_table
+        table = span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
+        sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
+        out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids,
+                                           verify=False)
+        last = jnp.take_along_axis(out.logits, jnp.maximum(lens_P - 1, 0)[:, None, None], axis=1)[:, 0]
+        first = sample_tokens(last, temperature, top_p, key)
+        pool = sub.pool
+        if draft is not None:
+            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
+        kda = caches.kda
+        if kda is not None:   # padding rows (slot out of range) are dropped
+            kda = KDAStates(kda.conv.at[:, slots_P].set(sub.kda.conv, mode="drop"),
+                            kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
+        return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
+
+    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *,
+                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """The draft's block pass alone (the confidence schedule looks at it before verifying)."""
+        target, draft = self.merge(t_state, d_state)
+        temperature, top_p = self._sampling(temperature, top_p)
+        full_table = caches.pool.block_table
+        pool = caches.pool._replace(block_table=span_table(full_table, caches.pool.page_size, span))
+        embed, head = embed_and_head(target)
+        prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, target.attention_rows, self.t,
+                                 temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
+        caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
+        return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
+
+    def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
+                   given_logits_BTV=None, limit_B=None,
+                   temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """One propose/verify step over every slot; inactive rows write nothing and keep their
+        KDA state. `given_drafts_BT` (their width is the step's T) replaces the draft model's block
+        pass: an external proposer's drafts (greedy only), or `propose`'s output cut to the
+        schedule's widest row, with its logits (for sampling) and `limit_B` drafts per row.
+        `span` (a page multiple >= every active length + T + 1) bounds the positions attention
+        reads, so a step costs what the sequences hold, not max_len."""
+        target, draft = self.merge(t_state, d_state)
+        temperature, top_p = self._sampling(temperature, top_p)
+        full_table = caches.pool.block_table
+        caches = caches._replace(pool=caches.pool._replace(
+            block_table=span_table(full_table, caches.pool.page_size, span)))
+        k_draft, k_acc = jax.random.split(key)
+        b = x0_B.shape[0]
+        draft_logits = given_logits_BTV
+        if given_drafts_BT is not None:
+            drafts = given_drafts_BT
+        elif draft is not None:
+            embed, head = embed_and_head(target)
+            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, target.attention_rows, self.t,
+                                     temperature=temperature, top_p=top_p,
+                                     key=k_draft if temperature > 0 else None)
+            drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
+        else:
+            drafts = jnp.zeros((b, 0), x0_B.dtype)
+        t = drafts.shape[1]
+        tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
+        positions = lens_B[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None]
+        valid = active_B[:, None] & (positions < max_len)
+        out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
+                                                  verify=True)
+        room = jnp.maximum(max_len - lens_B - 1, 0)
+        limit = room if limit_B is None else jnp.minimum(room, limit_B)
+        if temperature > 0 and draft_logits is not None and t > 0:
+            acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature, top_p, k_acc, limit_B=limit)
+        elif temperature > 0:
+            tok = sample_tokens(out.logits[:, 0], temperature, top_p, k_acc)
+            acc = steps.Acceptance(jnp.zeros((b,), jnp.int32), tok[:, None])
+        else:
+            acc = steps.accept_greedy(out.logits, drafts, limit_B=limit)
+        n = jnp.where(active_B, acc.num_accepted_B, 0)
+        if snaps is not None:
+            # inactive rows: every snapshot equals the old state (nothing valid), so this keeps it
+            caches = caches._replace(kda=steps.commit_kda(caches.kda, snaps, n))
+        if draft is not None:
+            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
+                                       target.attention_rows)
+            caches = caches._replace(pool=pool)
+        return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
+
+
+def cast_floating(state, dtype):
+    """Floating-point leaves of a state tree in `dtype` (integer leaves as they are)."""
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+    return jax.tree.map(cast, state)
+
+
+def span_table(table, page_size: int, span: int | None):
+    """The first pages of a block table that cover `span` positions (None: all of them)."""
+    return table if span is None else table[:, :-(-span // page_size)]
+
+
+def sampling_key(temperature: float, top_p: float) -> tuple[float, float]:
+    """The static sampling setting of a compiled step (top_p is irrelevant when greedy)."""
+    return (0.0, 1.0) if temperature <= 0 else (float(temperature), float(top_p))

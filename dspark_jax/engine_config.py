@@ -1,0 +1,109 @@
+"""The engine's settings, validated once, before any model loads (every entry point and `generate()`).
+
+`EngineConfig` holds what shapes the compiled steps and the caches: drafts per verify step T,
+cache storage dtype, page size, slots, sequence capacity and the optional confidence schedule.
+`define_flags()` declares the same command-line flags (one definition, one set of defaults) for
+every program; `from_flags()` builds and validates the config from them.
+
+The T = 0 rule lives here: speculation needs both a proposer (a draft model, or an external
+proposer in tests) and T > 0; otherwise the engine decodes plainly (`for_pair`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dspark_jax.cache import storage_dtype
+from dspark_jax.errors import RequestError
+from dspark_jax.schedule import VerifyCost
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 7          # T: drafts per verify step (each step verifies T + 1)
+    kv_cache_dtype: str = "auto"             # paged-pool storage: auto (model dtype), bf16, fp32, fp8
+    page_size: int = 16                      # tokens per cache page (ATOM's --block_size)
+    max_num_seqs: int = 8                    # cache slots: sequences decoded together
+    max_model_len: int | None = None         # tokens per sequence; None: from the target
+    schedule: VerifyCost | None = None       # confidence-scheduled verify length (spec E.6)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RequestError naming the field of the first bad setting."""
+        if self.num_speculative_tokens < 0:
+            raise RequestError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        try:
+            storage_dtype(self.kv_cache_dtype, "float32")
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if self.page_size < 1:
+            raise RequestError(f"page_size (--block_size) must be >= 1, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
+            raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
+                               f"step of {self.num_speculative_tokens + 1}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def for_pair(self, draft, *, proposer=None) -> tuple[object, "EngineConfig"]:
+        """(draft, config) as the engine runs them: without a draft (and without an external
+        proposer) T is 0; with T = 0 the draft is not used. The schedule needs a draft."""
+        if draft is None and proposer is None:
+            return None, self.replace(num_speculative_tokens=0, schedule=None)
+        if not self.speculative:
+            return None, self.replace(schedule=None)
+        return draft, self
+
+    def max_len_for(self, target) -> int:
+        """The sequence capacity: `max_model_len`, else the target's position limit capped at 4096."""
+        limit = int(getattr(target.cfg, "max_position_embeddings", 0) or 4096)
+        return self.max_model_len or min(limit, 4096)
+
+
+def define_flags(flag_values=None, **defaults) -> None:
+    """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs and
+    --max_model_len (ATOM's names). `defaults` overrides a default where a program's purpose
+    differs (serve.plan plans Kimi-K3 deployments at ATOM's page size and context)."""
+    from absl import flags
+
+    fv = flag_values or flags.FLAGS
+    base = EngineConfig()
+    d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
+             block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len)
+    unknown = set(defaults) - set(d)
+    if unknown:
+        raise ValueError(f"unknown engine flags {sorted(unknown)}")
+    d.update(defaults)
+    flags.DEFINE_integer("num_speculative_tokens", d["num_speculative_tokens"],
+                         "Drafts per verify step T (the block width); 0 = plain decoding.", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_enum("kv_cache_dtype", d["kv_cache_dtype"], list(KV_CACHE_DTYPES),
+                      "Paged cache storage: auto (the model's dtype), bf16, fp32 or fp8 (e4m3fn, scale 1.0).",
+                      flag_values=fv)
+    flags.DEFINE_integer("block_size", d["block_size"], "Tokens per page of the paged cache.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("max_num_seqs", d["max_num_seqs"], "Cache slots: sequences decoded together.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("max_model_len", d["max_model_len"], "Tokens per sequence, prompt + output (default: "
+                         "min(max_position_embeddings, 4096)).", lower_bound=2, flag_values=fv)
+
+
+def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineConfig:
+    """The EngineConfig of the parsed flags (raises RequestError on a bad combination)."""
+    from absl import flags
+
+    fv = flag_values or flags.FLAGS
+    return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
+                        page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
+                        schedule=schedule)

@@ -1,0 +1,55 @@
+"""Drawing tokens from logits: greedy or temperature + top-p sampling, and the draft's Markov
+head drafting left to right (spec C.4). Shared by the engine's programs, verification and the
+draft's cacheless reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.numerics import acc_dtype
+
+
+def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float = 0.0,
+                 top_p: float = 1.0, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The Markov head, left to right: logits_k = base_k + W1[prev_k] W2^T (fp32; float64 under
+    x64), d_{k+1} drawn from them (argmax at T=0), prev_{k+1} = d_{k+1}. Returns drafts and the
+    biased logits."""
+    t = base_BTV.shape[1]
+    keys = jax.random.split(key, t) if key is not None else jnp.zeros((t, 2), jnp.uint32)
+
+    def step(prev_B, xs):
+        base_BV, k = xs
+        logits_BV = base_BV.astype(acc_dtype(base_BV)) + draft.markov_bias(prev_B)
+        tok_B = sample_tokens(logits_BV, temperature, top_p, k if key is not None else None)
+        return tok_B.astype(prev_B.dtype), (tok_B.astype(prev_B.dtype), logits_BV)
+
+    _, (tokens_TB, logits_TBV) = jax.lax.scan(step, x0_B, (jnp.swapaxes(base_BTV, 0, 1), keys))
+    return jnp.swapaxes(tokens_TB, 0, 1), jnp.swapaxes(logits_TBV, 0, 1)
+
+
+def filter_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    """Temperature + top-p applied identically to draft and target distributions (log-probs)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    if top_p >= 1.0:
+        return logp
+    order = jnp.argsort(-logp, axis=-1)
+    sorted_p = jnp.exp(jnp.take_along_axis(logp, order, axis=-1))
+    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p      # always keeps the top token
+    keep = _unsort(keep_sorted, order)
+    logp = jnp.where(keep, logp, -jnp.inf)
+    return jax.nn.log_softmax(logp, axis=-1)
+
+
+def _unsort(values, order):
+    """Inverse of `take_along_axis(x, order, -1)` on the last axis."""
+    flat_v = values.reshape(-1, values.shape[-1])
+    flat_o = order.reshape(-1, order.shape[-1])
+    out = jnp.zeros_like(flat_v).at[jnp.arange(flat_v.shape[0])[:, None], flat_o].set(flat_v)
+    return out.reshape(values.shape)
+
+
+def sample_tokens(logits_BV: jax.Array, temperature: float, top_p: float, key: jax.Array | None) -> jax.Array:
+    if temperature <= 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filter_logits(logits_BV, temperature, top_p), axis=-1).astype(jnp.int32)

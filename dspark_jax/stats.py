@@ -1,0 +1,51 @@
+"""Speculative-decoding statistics in ATOM's /debug/mtp_stats schema (spec E.5), plus
+per-position acceptance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_speculative_tokens: int
+    total_draft_tokens: int = 0
+    total_accepted_tokens: int = 0
+    distribution: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)   # drafts accepted at position k
+
+    def __post_init__(self):
+        t = self.num_speculative_tokens
+        self.distribution = self.distribution or [0] * (t + 1)
+        self.accepted_at_position = self.accepted_at_position or [0] * t
+
+    def update(self, n: int, verified: int | None = None) -> None:
+        """One verify step in which `verified` drafts (default T) were scored and n accepted."""
+        self.total_draft_tokens += self.num_speculative_tokens if verified is None else verified
+        self.total_accepted_tokens += n
+        self.distribution[n] += 1
+        for k in range(n):
+            self.accepted_at_position[k] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.total_draft_tokens += other.total_draft_tokens
+        self.total_accepted_tokens += other.total_accepted_tokens
+        self.distribution = [a + b for a, b in zip(self.distribution, other.distribution)]
+        self.accepted_at_position = [a + b for a, b in zip(self.accepted_at_position, other.accepted_at_position)]
+
+    def to_dict(self) -> dict:
+        steps_n = sum(self.distribution)
+        return {
+            "enabled": self.num_speculative_tokens > 0,
+            "total_draft_tokens": self.total_draft_tokens,
+            "total_accepted_tokens": self.total_accepted_tokens,
+            "acceptance_rate": (self.total_accepted_tokens / self.total_draft_tokens
+                                if self.total_draft_tokens else 0.0),
+            "average_tokens_per_forward": 1.0 + (self.total_accepted_tokens / steps_n if steps_n else 0.0),
+            "distribution": {str(i): c for i, c in enumerate(self.distribution)},
+            "distribution_percent": {str(i): (100.0 * c / steps_n if steps_n else 0.0)
+                                     for i, c in enumerate(self.distribution)},
+            "num_verify_steps": steps_n,
+            # P(draft k accepted): acceptance per draft position, k = 1..T
+            "per_position_acceptance": [a / steps_n if steps_n else 0.0 for a in self.accepted_at_position],
+        }

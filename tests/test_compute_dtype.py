@@ -1,0 +1,120 @@
+"""One compute dtype per engine: no program asks XLA:CPU for a bf16 x bf16 -> f32 dot.
+
+CPUs with AMX / AVX-512 BF16 have no such dot in XLA:CPU's runtime ("Unsupported element type for
+DotThunk::Execute: BF16 x BF16 = F32"); CPUs without them upcast silently. So the check reads the
+programs, not the machine: the lowered StableHLO (what we ask for, the same on every CPU) and the
+compiled HLO (what runs here).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import generate, load_draft, load_target
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+
+# `stablehlo.dot_general %a, %b, ... : (tensor<2x8x576xbf16>, tensor<576x49152xbf16>) -> tensor<...xf32>`
+_STABLEHLO_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) "
+                            r"-> tensor<[^>]*x(\w+)>")
+# `%dot.3 = f32[2,8,64]{...} dot(bf16[2,8,32]{...} %a, bf16[64,32]{...} %b), ...`
+_HLO_DOT = re.compile(r"= (\w+)\[[^\]]*\][^ ]* dot\((\w+)\[[^\]]*\][^ ]* [^,]+, (\w+)\[")
+
+
+def mixed_dots(lowered) -> list[str]:
+    """Dots with a 16-bit float operand and a float32 result, in the lowered and compiled text."""
+    bad = []
+    for line in lowered.as_text().splitlines():
+        m = _STABLEHLO_DOT.search(line)
+        if m and m.group(3) == "f32" and {"bf16", "f16"} & {m.group(1), m.group(2)}:
+            bad.append(line.strip())
+    for line in lowered.compile().as_text().splitlines():
+        m = _HLO_DOT.search(line)
+        if m and m.group(1) == "f32" and {"bf16", "f16"} & {m.group(2), m.group(3)}:
+            bad.append(line.strip())
+    return bad
+
+
+def test_patterns_see_a_mixed_dot():
+    """The checker itself: a bf16 x bf16 -> f32 dot is found (in the lowered text at least)."""
+    a = jnp.ones((2, 8), jnp.bfloat16)
+    lowered = jax.jit(lambda x, y: jnp.einsum("ij,kj->ik", x, y, preferred_element_type=jnp.float32)).lower(a, a)
+    assert mixed_dots(lowered)
+    same = jax.jit(lambda x, y: jnp.einsum("ij,kj->ik", x, y)).lower(a.astype(jnp.float32), a.astype(jnp.float32))
+    assert not mixed_dots(same)
+
+
+@pytest.fixture(scope="module")
+def demo_pair(smollm2_dir):
+    target = load_target(smollm2_dir, dtype=jnp.float32)
+    draft = load_draft("smollm2-135m-dspark")            # as shipped: bf16
+    assert draft.context_proj.weight.get_value().dtype == jnp.bfloat16
+    return target, draft
+
+
+def _programs(engine: Engine, batch: int = 2, span: int = 64):
+    caches = engine.new_caches(batch, 128)
+    x0 = jnp.zeros((batch,), jnp.int32)
+    lens = jnp.full((batch,), 20, jnp.int32)
+    active = jnp.ones((batch,), bool)
+    key = jax.random.PRNGKey(0)
+    progs = {"step": engine.step_jit.lower(engine.t_state, engine.d_state, x0, None, lens, active, jnp.int32(128),
+                                           caches, key, span=span)}
+    if engine.draft is not None:
+        progs["propose"] = engine.propose_jit.lower(engine.t_state, engine.d_state, x0, lens, caches, key, span=span)
+    tokens = jnp.zeros((batch, 32), jnp.int32)
+    progs["prefill"] = engine.prefill_jit.lower(engine.t_state, engine.d_state, tokens, lens, jnp.arange(batch),
+                                                caches, key, span=span)
+    return progs
+
+
+@pytest.mark.parametrize("t", [0, 7], ids=["decode", "verify"])
+def test_no_bf16_to_f32_dot_with_the_shipped_draft(demo_pair, t):
+    target, draft = demo_pair
+    engine = Engine(target, draft if t else None, EngineConfig(num_speculative_tokens=t))
+    for name, lowered in _programs(engine).items():
+        bad = mixed_dots(lowered)
+        assert not bad, f"{name} (T={t}) asks for bf16 x bf16 -> f32 dots:\n" + "\n".join(bad[:5])
+
+
+def test_the_engine_computes_the_draft_in_the_targets_dtype(demo_pair):
+    target, draft = demo_pair
+    engine = Engine(target, draft, EngineConfig(num_speculative_tokens=7))
+    dtypes = {x.dtype for x in jax.tree.leaves(engine.d_state) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert dtypes == {jnp.dtype(jnp.float32)}
+
+
+def test_batched_generation_with_the_shipped_draft(demo_pair, smollm2_dir):
+    """Two prompts with the bf16 draft as shipped (the call that crashed on AMX CPUs) equal plain decoding."""
+    target, draft = demo_pair
+    prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+               "How many clips did Natalia sell altogether in April and May?",
+               "What is 12 * 7?"]
+    spec = generate(target, draft, prompts, max_new_tokens=24)
+    plain = generate(target, None, prompts, max_new_tokens=24)
+    for s, p in zip(spec.outputs, plain.outputs):
+        assert s.token_ids == p.token_ids
+    assert spec.stats["num_verify_steps"] > 0
+
+
+def test_bf16_target_programs_have_no_mixed_dot():
+    """A bf16 target (and draft) on CPU: the float32-accumulated products upcast their operands."""
+    from tests.gen_utils import tiny_draft, tiny_llama
+    from dspark_jax.engine import cast_floating
+    from flax import nnx
+
+    target, draft = tiny_llama(), None
+    draft = tiny_draft(target)
+    for m in (target, draft):
+        nnx.update(m, cast_floating(nnx.state(m), jnp.bfloat16))
+    assert target.dtype == jnp.bfloat16
+    engine = Engine(target, draft, EngineConfig(num_speculative_tokens=3))
+    for name, lowered in _programs(engine).items():
+        bad = mixed_dots(lowered)
+        assert not bad, f"{name} asks for bf16 x bf16 -> f32 dots:\n" + "\n".join(bad[:5])
+    np.testing.assert_equal(engine.compute_dtype, jnp.bfloat16)
