@@ -86,7 +86,7 @@ def generate(cfg_path: Path, dst: Path) -> None:
     < 2: the exponent MSB is cleared, so no inf/nan) tensor by tensor in 16 MiB blocks."""
     import numpy as np
 
-    from dspark_jax.checkpoint.draft_io import TORCHSPEC_METADATA, draft_inventory
+    from dspark_jax.checkpoint.draft_layout import TORCHSPEC_METADATA, draft_inventory
     from dspark_jax.checkpoint.safetensors_io import header_for
     from dspark_jax.config import DraftConfig
 

@@ -36,6 +36,7 @@ Without a GPU the model stages say so and are skipped; `--tiny` runs every stage
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -44,9 +45,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from importlib import metadata
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "dspark_jax" / "configs"
@@ -156,10 +157,10 @@ def k3_slice(layers: int = 4, tiny: bool = False) -> tuple[dict, dict]:
                     num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                     qk_rope_head_dim=16, v_head_dim=16, **ids)
         la.update(num_heads=2, head_dim=16)
-        draft.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                     q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                     vocab_size=256, draft_vocab_size=256, target_hidden_size=64, markov_rank=8,
-                     mask_token_id=255, **ids)
+        draft.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                     qk_rope_head_dim=16, v_head_dim=16, vocab_size=256, draft_vocab_size=256,
+                     target_hidden_size=64, markov_rank=8, mask_token_id=255, **ids)
     return raw, draft
 
 
@@ -214,16 +215,26 @@ def worker_steps(which: str, emit) -> None:
                          f"{dcfg.num_attention_heads} heads (random weights)")
         data["configs"] = {"target": raw_t, "draft": raw_d}
     data.update(setup_s=time.perf_counter() - t0, target_bytes=_nbytes(target), draft_bytes=_nbytes(draft),
-                dtype=ARGS.dtype, page_size=page, context=ARGS.step_context, T=ARGS.num_speculative_tokens, reps=ARGS.step_reps, rows=[])
+                dtype=ARGS.dtype, page_size=page, context=ARGS.step_context, T=ARGS.num_speculative_tokens,
+                reps=ARGS.step_reps, rows=[])
     print(f"{data['model']}: target {data['target_bytes'] / 2**30:.2f} GiB, draft {data['draft_bytes'] / 2**30:.2f} "
           f"GiB, ready in {data['setup_s']:.1f} s", flush=True)
     emit(data)
+    errors = []
     for mode in ARGS.step_modes:
         for b in [int(x) for x in ARGS.batch_sizes]:
             t1 = time.perf_counter()
-            with use_kernels(mode):
-                eng = st.make_engine(target, draft, ARGS.num_speculative_tokens, page_size=page)
-                c = st.step_costs(eng, b, reps=ARGS.step_reps, context=ARGS.step_context)
+            try:
+                with use_kernels(mode):
+                    eng = st.make_engine(target, draft, ARGS.num_speculative_tokens, page_size=page)
+                    c = st.step_costs(eng, b, reps=ARGS.step_reps, context=ARGS.step_context)
+            except Exception as e:      # e.g. out of memory at batch 32: the other settings still run
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                data["rows"].append({"kernels": mode, "batch": b, "error": msg})
+                errors.append(f"kernels {mode} batch {b}: {msg}")
+                print(f"kernels {mode} batch {b}: FAILED {msg}", flush=True)
+                emit(data)
+                continue
             row = {"kernels": mode, "batch": b, "one_token_step_ms": c["one_token_step_ms"],
                    "verify_ms": c["verify_ms"], "draft_block_ms": c["draft_block_ms"],
                    "verify_over_step": c["verify_ms"] / c["one_token_step_ms"],
@@ -235,6 +246,8 @@ def worker_steps(which: str, emit) -> None:
                   f"{row['verify_ms']:.3f} ms ({row['verify_over_step']:.2f}x) | draft pass "
                   f"{row['draft_block_ms']:.3f} ms | break-even tok/fwd {row['break_even_tok_per_fwd']:.2f}",
                   flush=True)
+    if errors:
+        raise RuntimeError("; ".join(errors))
 
 
 def _demo_target() -> Path:
@@ -262,8 +275,44 @@ def _prompts(target_dir: Path):
     ids = [tok.encode(tok.apply_chat_template(it.conversation(), add_generation_prompt=True))
            for it in load_gsm8k(limit=ARGS.num_prompts)]
     cfg = json.loads((target_dir / "config.json").read_text())
-    eos = sorted(set(tok.eos_token_ids) | ({int(cfg["eos_token_id"])} if cfg.get("eos_token_id") is not None else set()))
+    eos = set(tok.eos_token_ids) | ({int(cfg["eos_token_id"])} if cfg.get("eos_token_id") is not None else set())
+    eos = sorted(eos)
     return ids, eos, tok
+
+
+def _traced(systems, data: dict, emit) -> list:
+    """The systems with every run recorded in data["runs"] as it ends, so a stage stopped at its
+    time limit still shows tokens/s from the runs it finished (`partial_speeds`)."""
+    data.setdefault("runs", [])
+    out = []
+    for s in systems:
+        if s.run is None:
+            out.append(s)
+            continue
+
+        def run(ids, n, s=s, inner=s.run):
+            before = s.compiles() if s.compiles else 0
+            t0 = time.perf_counter()
+            tokens = inner(ids, n)
+            data["runs"].append({"system": s.key, "prompt_tokens": len(ids), "max_new_tokens": n,
+                                 "new_tokens": len(tokens), "seconds": time.perf_counter() - t0,
+                                 "compiled": (s.compiles() if s.compiles else 0) != before})
+            emit(data)
+            return tokens
+        out.append(dataclasses.replace(s, run=run))
+    return out
+
+
+def partial_speeds(data: dict) -> dict[str, tuple[float, int]]:
+    """system -> (tokens/s, runs) over the finished full-length runs that compiled nothing."""
+    acc: dict[str, list[float]] = {}
+    for r in data.get("runs", []):
+        if r["max_new_tokens"] == data.get("max_new_tokens") and not r["compiled"] and r["seconds"] > 0:
+            a = acc.setdefault(r["system"], [0, 0.0, 0])
+            a[0] += r["new_tokens"]
+            a[1] += r["seconds"]
+            a[2] += 1
+    return {k: (tok / sec, n) for k, (tok, sec, n) in acc.items()}
 
 
 def worker_demo(emit) -> None:
@@ -273,13 +322,16 @@ def worker_demo(emit) -> None:
     target_dir = _demo_target()
     ids, eos, tok = _prompts(target_dir)
     dt = ARGS.dtype
-    data.update(target=str(target_dir), draft=ARGS.demo_draft, dtype=dt, T=ARGS.num_speculative_tokens, max_new_tokens=ARGS.max_new_tokens,
-                rounds=ARGS.rounds, prompts=len(ids), prompt_tokens=[len(p) for p in ids])
-    print(f"{len(ids)} GSM8K test prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), {ARGS.max_new_tokens} new "
-          f"tokens, T=0, batch 1, {dt}", flush=True)
+    data.update(target=str(target_dir), draft=ARGS.demo_draft, dtype=dt, T=ARGS.num_speculative_tokens,
+                max_new_tokens=ARGS.max_new_tokens, rounds=ARGS.rounds, prompts=len(ids),
+                prompt_tokens=[len(p) for p in ids])
+    print(f"{len(ids)} GSM8K test prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
+          f"{ARGS.max_new_tokens} new tokens, T=0, batch 1, {dt}", flush=True)
     emit(data)
-    systems = peers.ours_systems(str(target_dir), ARGS.demo_draft, [dt], {"ours_plain", "ours_spec"}, ARGS.num_speculative_tokens, tok)
-    records = peers.measure(systems, ids, ARGS.max_new_tokens, ARGS.rounds, log=lambda m: print(m, flush=True))
+    systems = peers.ours_systems(str(target_dir), ARGS.demo_draft, [dt], {"ours_plain", "ours_spec"},
+                                 ARGS.num_speculative_tokens, tok)
+    records = peers.measure(_traced(systems, data, emit), ids, ARGS.max_new_tokens, ARGS.rounds,
+                            log=lambda m: print(m, flush=True))
     rows = peers.summarize(systems, records, baseline=f"ours_plain:{dt}")
     plain, spec = (next(r for r in rows if r["system"] == f"{k}:{dt}") for k in ("ours_plain", "ours_spec"))
     data.update(rows=rows, plain_tokens_per_s=plain["tokens_per_s_best"],
@@ -290,9 +342,9 @@ def worker_demo(emit) -> None:
     emit(data)
     # what the torch stage compares with: the same prompt ids, our plain outputs and speed
     ours = {r.prompt: r.tokens for r in records if r.system == f"ours_plain:{dt}" and r.round == 0}
-    write_json(_state_dir() / "demo_plain.json", {"target": str(target_dir), "dtype": dt, "max_new_tokens": ARGS.max_new_tokens,
-                                                  "prompt_ids": ids, "eos": eos, "tokens": [ours[p] for p in sorted(ours)],
-                                                  "tokens_per_s": plain["tokens_per_s_best"]})
+    write_json(_state_dir() / "demo_plain.json",
+               {"target": str(target_dir), "dtype": dt, "max_new_tokens": ARGS.max_new_tokens, "prompt_ids": ids,
+                "eos": eos, "tokens": [ours[p] for p in sorted(ours)], "tokens_per_s": plain["tokens_per_s_best"]})
     print(f"plain {plain['tokens_per_s_best']:.1f} tok/s | speculative {spec['tokens_per_s_best']:.1f} tok/s | "
           f"ratio {data['speculative_over_plain']:.2f}x | tok/fwd {data['tok_per_fwd']:.2f} | speculative == plain "
           f"on {data['speculative_equals_plain']} prompts", flush=True)
@@ -326,7 +378,8 @@ def worker_torch(emit) -> None:
     dt = ARGS.dtype
     saved = _state_dir() / "demo_plain.json"
     ours = json.loads(saved.read_text()) if saved.is_file() else None
-    if ours is not None and (ours["target"], ours["dtype"], ours["max_new_tokens"]) != (str(target_dir), dt, ARGS.max_new_tokens):
+    same_setting = (str(target_dir), dt, ARGS.max_new_tokens)
+    if ours is not None and (ours["target"], ours["dtype"], ours["max_new_tokens"]) != same_setting:
         ours = None
     if ours is not None and len(ours["prompt_ids"]) >= ARGS.num_prompts:
         ids, eos = ours["prompt_ids"][:ARGS.num_prompts], ours["eos"]
@@ -334,7 +387,8 @@ def worker_torch(emit) -> None:
         ids, eos, _ = _prompts(target_dir)
         ours = None
         print("no plain-decoding results of the demo stage with these settings: torch timed alone", flush=True)
-    data.update(target=str(target_dir), dtype=dt, max_new_tokens=ARGS.max_new_tokens, rounds=ARGS.rounds, prompts=len(ids))
+    data.update(target=str(target_dir), dtype=dt, max_new_tokens=ARGS.max_new_tokens, rounds=ARGS.rounds,
+                prompts=len(ids))
     emit(data)
     t0 = time.perf_counter()
     model = transformers.LlamaForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dt),
@@ -342,7 +396,8 @@ def worker_torch(emit) -> None:
     print(f"transformers {transformers.__version__} / torch {torch.__version__} on {device}: loaded in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     system = peers.System(f"hf_greedy:{dt}", "transformers, greedy generate", dt, _hf_run(torch, model, eos, device))
-    records = peers.measure([system], ids, ARGS.max_new_tokens, ARGS.rounds, log=lambda m: print(m, flush=True))
+    records = peers.measure(_traced([system], data, emit), ids, ARGS.max_new_tokens, ARGS.rounds,
+                            log=lambda m: print(m, flush=True))
     row = peers.summarize([system], records, baseline=system.key)[0]
     data.update(row=row, torch_tokens_per_s=row["tokens_per_s_best"])
     if ours is not None:
@@ -382,6 +437,11 @@ def run_worker(stage: str) -> int:
         print(f"skipped: {e}", flush=True)
         write_json(result, {"status": "skipped", "reason": str(e), "data": state["data"]})
         return 0
+    except Exception as e:             # recorded with what was measured before it
+        traceback.print_exc()
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
+        write_json(result, {"status": "error", "reason": reason, "data": state["data"]})
+        return 1
     write_json(result, {"status": "ok", "data": state["data"]})
     return 0
 
@@ -492,7 +552,7 @@ def run_stage(stage: str, deadline: float, cap: float, log: Log, env: dict, tmp:
     parts, statuses = {}, []
     for i, (label, argv, result) in enumerate(jobs):
         left = stage_end - time.time()
-        if left < 5:
+        if left < 1:
             parts[label] = {"status": "timeout", "reason": "no time left in the stage's budget"}
             statuses.append("timeout")
             log(f"[{stage}] {label}: not run, no time left")
@@ -561,7 +621,8 @@ def goals(results: dict) -> list[dict]:
                 "goal": f"our plain decoding >= {GOALS['ours_over_torch']}x transformers' (same weights, GPU)",
                 "value": v, "ok": None if v is None else v >= GOALS["ours_over_torch"]})
     for stage in ("steps_demo", "steps_k3"):
-        rows = [r for r in ((results.get(stage) or {}).get("data") or {}).get("rows", []) if r["kernels"] == "auto"]
+        rows = [r for r in ((results.get(stage) or {}).get("data") or {}).get("rows", [])
+                if r["kernels"] == "auto" and "error" not in r]
         v = max((r["verify_over_step"] for r in rows), default=None)
         out.append({"id": f"verify_over_step_{stage[6:]}",
                     "goal": f"verify(T+1) <= {GOALS['verify_over_step']}x one-token step ({stage}, kernels auto, "
@@ -595,9 +656,10 @@ def tables(results: dict, info: dict) -> str:
         rec = results.get(stage)
         if rec is None:
             continue
-        note = rec.get("reason") or ("earlier run" if rec.get("earlier") else "")
-        if rec.get("status") in ("error", "timeout") and rec.get("log_tail"):
-            note = (note + " " + rec["log_tail"][-1])[:160]
+        note = rec.get("reason") or ""
+        if not note and rec.get("status") in ("error", "timeout") and rec.get("log_tail"):
+            note = rec["log_tail"][-1]
+        note = ("(earlier run) " if rec.get("earlier") else "") + note[:160].replace("|", "/")
         lines.append(f"| {stage} | {rec.get('status')} | {rec.get('run_at', '')} | {_f(rec.get('wall_s'), '.0f')} | "
                      f"{note.strip()} |")
     cases = _kernel_cases(results)
@@ -605,7 +667,8 @@ def tables(results: dict, info: dict) -> str:
         lines += ["", "## Kernels vs references", "", "| group | case | match | kernel ms | reference ms | ratio |",
                   "|---|---|---|---:|---:|---:|"]
         for c in cases:
-            lines.append(f"| {c['group']} | {c['name']} | {'ok' if c.get('ok') else 'FAIL'} ({_f(c.get('err'), '.1e')}) "
+            match = f"{'ok' if c.get('ok') else 'FAIL'} ({_f(c.get('err'), '.1e')})"
+            lines.append(f"| {c['group']} | {c['name']} | {match} "
                          f"| {_f(c.get('kernel_ms'))} | {_f(c.get('reference_ms'))} | {_f(c.get('ratio'))} |")
     xo = ((results.get("crossover") or {}).get("data") or {}).get("crossover")
     if xo:
@@ -628,33 +691,46 @@ def tables(results: dict, info: dict) -> str:
                       "| kernels | batch | one-token step ms | verify(T+1) ms | verify / step | draft pass ms | "
                       "break-even tok/fwd |", "|---|---:|---:|---:|---:|---:|---:|"]
             for r in data["rows"]:
+                if "error" in r:
+                    lines.append(f"| {r['kernels']} | {r['batch']} | error: {r['error'][:100]} | | | | |")
+                    continue
                 lines.append(f"| {r['kernels']} | {r['batch']} | {_f(r['one_token_step_ms'])} | {_f(r['verify_ms'])} | "
                              f"{_f(r['verify_over_step'], '.2f')} | {_f(r['draft_block_ms'])} | "
                              f"{_f(r['break_even_tok_per_fwd'], '.2f')} |")
     demo = (results.get("demo") or {}).get("data") or {}
     torch_ = (results.get("torch") or {}).get("data") or {}
+    partial = {k: v for d in (demo, torch_) if not (d.get("rows") or d.get("row"))
+               for k, v in partial_speeds(d).items()}
+    if partial:
+        lines += ["", "## Demo pair / torch, partial (the stage stopped before its summary): tok/s over the "
+                      "finished runs that compiled nothing", "", "| system | tok/s | runs |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v:.1f} | {n} |" for k, (v, n) in partial.items()]
     if demo.get("rows") or torch_.get("row"):
         n = demo.get("prompts") or torch_.get("prompts")
         lines += ["", f"## Demo pair, real weights: {n} GSM8K test prompts, batch 1, T=0, "
                       f"{demo.get('max_new_tokens') or torch_.get('max_new_tokens')} new tokens, "
                       f"{demo.get('dtype') or torch_.get('dtype')} (tok/s: best of rounds, prefill included)", "",
-                  "| system | tok/s | vs ours plain | tok/fwd | greedy output = ours plain |", "|---|---:|---:|---:|---|"]
+                  "| system | tok/s | vs ours plain | tok/fwd | greedy output = ours plain |",
+                  "|---|---:|---:|---:|---|"]
         for r in demo.get("rows", []):
             if "unavailable" in r:
                 continue
             same = (f"{r['identical_to_reference']}/{r['compared_prompts']}" if "identical_to_reference" in r
                     else "(reference)")
-            lines.append(f"| {r['label']} | {r['tokens_per_s_best']:.1f} | {_f(r.get('ratio_vs_baseline_best'), '.2f')}x"
+            ratio = _f(r.get('ratio_vs_baseline_best'), '.2f')
+            lines.append(f"| {r['label']} | {r['tokens_per_s_best']:.1f} | {ratio}x"
                          f" | {_f(r.get('tok_per_fwd'), '.2f', '')} | {same} |")
         if torch_.get("row"):
             r = torch_["row"]
             vs = (1 / torch_["ours_over_torch"]) if torch_.get("ours_over_torch") else None
             lines.append(f"| transformers greedy ({torch_.get('device_name') or torch_.get('device')}) | "
-                         f"{r['tokens_per_s_best']:.1f} | {_f(vs, '.2f')}x | | {torch_.get('identical_to_ours', 'n/a')} |")
+                         f"{r['tokens_per_s_best']:.1f} | {_f(vs, '.2f')}x | | "
+                         f"{torch_.get('identical_to_ours', 'n/a')} |")
     g = goals(results)
     lines += ["", "## Goals (issue 19)", "", "| goal | measured | met |", "|---|---:|---|"]
     for x in g:
-        lines.append(f"| {x['goal']} | {_f(x['value'])} | {'n/a' if x['ok'] is None else ('yes' if x['ok'] else 'NO')} |")
+        met = "n/a" if x["ok"] is None else ("yes" if x["ok"] else "NO")
+        lines.append(f"| {x['goal']} | {_f(x['value'])} | {met} |")
     return "\n".join(lines) + "\n"
 
 

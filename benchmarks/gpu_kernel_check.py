@@ -378,7 +378,8 @@ def sweep_crossover(shapes, spans, iters: int, interpret: bool, tiny: bool, full
                         f"{t_kernel * 1e3:9.3f} ms  reference {t_ref * 1e3:9.3f} ms  ratio {t_kernel / t_ref:6.3f}  "
                         f"err {err:.1e}")
             except Exception as e:
-                rec |= {"ratio": None, "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                msg = str(e).splitlines()[0][:200] if str(e) else ""
+                rec |= {"ratio": None, "ok": False, "error": f"{type(e).__name__}: {msg}"}
                 line = f"[crossover] span {span:6d}  {shape.label:20s} error: {rec['error']}"
             print(line, flush=True)
             points.append(rec)

@@ -30,6 +30,9 @@ Greedy equality: our speculative output must equal our plain output token for to
 the peers' outputs are compared with our plain output of the same dtype and counted, not asserted
 (f32 rounding differences flip near-ties; llama.cpp computes with the Q4_1 weights and 8-bit
 activations). The header states the CPU's AMX / AVX-512 BF16 flags and the thread settings.
+torch and llama.cpp run OpenMP thread teams whose barriers spin by default: on a machine shared with
+other jobs a descheduled thread stalls the rest and both get ~10x slower, so OMP_WAIT_POLICY is set
+to PASSIVE (--omp_wait_policy) before they load. XLA:CPU runs its own thread pool.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ _BF16_N = flags.DEFINE_integer("bf16_num_prompts", None, "bf16 systems run only 
                                lower_bound=1)
 _BF16_NEW = flags.DEFINE_integer("bf16_max_new_tokens", None, "new tokens per prompt of the bf16 systems "
                                  "(default: --max_new_tokens)", lower_bound=1)
+_OMP_WAIT = flags.DEFINE_enum("omp_wait_policy", "passive", ["passive", "active", "env"],
+                               "OMP_WAIT_POLICY for torch's and llama.cpp's OpenMP threads, set before they load "
+                               "('env': leave the environment's). passive: on a shared or oversubscribed "
+                               "machine spinning OpenMP barriers make both ~10x slower")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 
 
@@ -265,7 +272,8 @@ def cpu_info() -> dict[str, Any]:
         info["avx512"] = bool(re.search(r"\bavx512f\b", text))
     except OSError:
         info["bf16_flags"] = None
-    info["env"] = {k: os.environ.get(k) for k in ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    info["env"] = {k: os.environ.get(k) for k in ("XLA_FLAGS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                   "MKL_NUM_THREADS")
                    if os.environ.get(k) is not None}
     return info
 
@@ -429,6 +437,12 @@ def main(argv):
         raise app.UsageError(f"unknown --systems {unknown} / --dtypes {bad_dt}")
     wanted = set(_SYSTEMS.value)
     threads = _THREADS.value or len(os.sched_getaffinity(0))
+    if _OMP_WAIT.value != "env":
+        # read once, when an OpenMP runtime loads: before torch / llama_cpp are imported
+        loaded = [m for m in ("torch", "llama_cpp") if m in sys.modules]
+        if loaded:
+            print(f"warning: {', '.join(loaded)} already imported: --omp_wait_policy may not apply", flush=True)
+        os.environ["OMP_WAIT_POLICY"] = _OMP_WAIT.value.upper()
 
     from dspark_jax import presets
     from dspark_jax.data.benchmarks import load_gsm8k

@@ -8,6 +8,9 @@
 
 Layer ids are 0-based everywhere in this package; the 1-based `kda_layers`/`full_attn_layers`
 lists of the checkpoint are converted on read.
+
+One module although it is over 450 lines: the three config classes share the key parsing and
+the error reporting, and a reader looking up what a config.json key does finds every key here.
 """
 
 from __future__ import annotations
@@ -422,6 +425,7 @@ class DraftConfig(_MLADims):
     mla_use_output_gate: bool = False
     markov_head_type: str = "vanilla"
     dtype: str = "bfloat16"
+    draft_vocab_size: int | None = None       # K < vocab_size: reduced draft vocabulary (d2t/t2d map)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     family = "dspark"
@@ -429,6 +433,16 @@ class DraftConfig(_MLADims):
     @property
     def num_aux(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def draft_vocab(self) -> int:
+        """K, the draft's output vocabulary (= vocab_size unless reduced)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """True when the draft predicts over K < V kept target tokens (EAGLE-3 style `d2t`/`t2d`)."""
+        return self.draft_vocab < self.vocab_size
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "config.json") -> "DraftConfig":
@@ -464,8 +478,8 @@ class DraftConfig(_MLADims):
         q_lora = k.opt("q_lora_rank")
         vocab = int(k.req("vocab_size"))
         draft_vocab = int(k.opt("draft_vocab_size", default=vocab))
-        if draft_vocab != vocab:
-            k.fail("draft_vocab_size", f"{draft_vocab} != vocab_size {vocab} (reduced draft vocab not supported)")
+        if not 0 < draft_vocab <= vocab:
+            k.fail("draft_vocab_size", f"{draft_vocab} must be in 1..vocab_size={vocab}")
         cfg = cls(
             hidden_size=int(k.req("hidden_size")),
             intermediate_size=int(k.req("intermediate_size")),
@@ -490,6 +504,7 @@ class DraftConfig(_MLADims):
             eos_token_id=k.opt("eos_token_id"),
             pad_token_id=k.opt("pad_token_id"),
             dtype=str(k.opt("torch_dtype", "dtype", default="bfloat16")),
+            draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
             raw=dict(raw),
         )
         if not 0 <= cfg.mask_token_id < vocab:

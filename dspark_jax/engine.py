@@ -49,7 +49,7 @@ class Engine:
     none. `draft=None` with T > 0 verifies drafts given to `step` (an external proposer)."""
 
     def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, temperature: float = 0.0,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, serving_layout: bool = True):
         self.target, self.draft, self.config = target, draft, config
         self.t = config.num_speculative_tokens
         self.temperature, self.top_p = sampling_key(temperature, top_p)
@@ -71,6 +71,13 @@ class Engine:
             self.d_state = cast_floating(self.d_state, self.compute_dtype)
         sharding = jax.tree.leaves(self.t_state)[0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        # the target's weights in the layout XLA:CPU's GEMMs run best (fused q|k|v and gate|up,
+        # [in, out]; docs/profile.md), built once here, passed to every program beside the
+        # declared params; families without it (or a sharded engine) use the params as declared
+        self.serving = None
+        if serving_layout and self.mesh is None and hasattr(target, "serving_weights") \
+                and jax.default_backend() == "cpu":
+            self.serving = target.serving_weights()
         static = ("temperature", "top_p", "span")
         # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
         self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
@@ -79,16 +86,18 @@ class Engine:
 
     def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **static):
         """(first tokens [P], caches): see `prefill_fn`."""
-        return self.prefill_jit(self.t_state, self.d_state, tokens_PS, lens_P, slots_P, caches, key, **static)
+        return self.prefill_jit(self.t_state, self.d_state, tokens_PS, lens_P, slots_P, caches, key,
+                                serving=self.serving, **static)
 
     def propose(self, x0_B, lens_B, caches: TargetCaches, key, **static):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
-        return self.propose_jit(self.t_state, self.d_state, x0_B, lens_B, caches, key, **static)
+        return self.propose_jit(self.t_state, self.d_state, x0_B, lens_B, caches, key, serving=self.serving,
+                                **static)
 
     def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, **kw):
         """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
         return self.step_jit(self.t_state, self.d_state, x0_B, drafts_BT, lens_B, active_B, max_len, caches, key,
-                             **kw)
+                             serving=self.serving, **kw)
 
     @staticmethod
     def _check_pair(target, draft) -> None:
@@ -144,7 +153,7 @@ class Engine:
         draft = nnx.merge(self.d_graph, d_state) if self.d_graph is not None else None
         return target, draft
 
-    def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *,
+    def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, serving=None,
                       temperature: float | None = None, top_p: float | None = None, span: int | None = None):
         """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = batch size,
         length 0) while the other slots keep their state: only the new rows run. They see the
@@ -158,9 +167,14 @@ class Engine:
         full_table = caches.pool.block_table
         table = span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
         sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
-        out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids,
-                                           verify=False)
-        last = jnp.take_along_axis(out.logits, jnp.maximum(lens_P - 1, 0)[:, None, None], axis=1)[:, 0]
+        last_P = jnp.maximum(lens_P - 1, 0)
+        if serving is None:
+            out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False)
+            last = jnp.take_along_axis(out.logits, last_P[:, None, None], axis=1)[:, 0]
+        else:   # serving layout: the lm_head runs on the last prompt row alone, not on all S rows
+            out, sub, _ = steps.target_forward(_WithWeights(target, serving, logits_rows_BR=last_P[:, None]),
+                                               tokens_PS, positions, valid, sub, self.aux_ids, verify=False)
+            last = out.logits[:, 0]
         first = sample_tokens(last, temperature, top_p, key)
         pool = sub.pool
         if draft is not None:
@@ -171,7 +185,7 @@ class Engine:
                             kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
-    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *,
+    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, serving=None,
                       temperature: float | None = None, top_p: float | None = None, span: int | None = None):
         """The draft's block pass alone (the confidence schedule looks at it before verifying)."""
         target, draft = self.merge(t_state, d_state)
@@ -185,7 +199,7 @@ class Engine:
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                   given_logits_BTV=None, limit_B=None,
+                   given_logits_BTV=None, limit_B=None, serving=None,
                    temperature: float | None = None, top_p: float | None = None, span: int | None = None):
         """One propose/verify step over every slot; inactive rows write nothing and keep their
         KDA state. `given_drafts_BT` (their width is the step's T) replaces the draft model's block
@@ -215,8 +229,8 @@ class Engine:
         tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
         positions = lens_B[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None]
         valid = active_B[:, None] & (positions < max_len)
-        out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
-                                                  verify=True)
+        out, caches, snaps = steps.target_forward(with_weights(target, serving), tokens, positions, valid, caches,
+                                                  self.aux_ids, verify=True)
         room = jnp.maximum(max_len - lens_B - 1, 0)
         limit = room if limit_B is None else jnp.minimum(room, limit_B)
         if temperature > 0 and draft_logits is not None and t > 0:
@@ -235,6 +249,21 @@ class Engine:
                                        target.attention_rows)
             caches = caches._replace(pool=pool)
         return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
+
+
+class _WithWeights:
+    """A target whose cached forward uses its serving weights (`serving_weights()`): what
+    `steps.target_forward` calls inside a program."""
+
+    def __init__(self, target, weights, **extra):
+        self.target, self.weights, self.extra = target, weights, extra
+
+    def forward_cached(self, *args, **kw):
+        return self.target.forward_cached(*args, weights=self.weights, **self.extra, **kw)
+
+
+def with_weights(target, weights):
+    return target if weights is None else _WithWeights(target, weights)
 
 
 def cast_floating(state, dtype):

@@ -19,7 +19,7 @@ from dspark_jax.batcher import Batcher, Request, pow2
 from dspark_jax.engine import Engine, sampling_key
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.kernels.dispatch import kernel_mode
+from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
 from dspark_jax.schedule import VerifyCost
 from dspark_jax.sources import source_of
 from dspark_jax.stats import SpecStats
@@ -118,10 +118,10 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     """The Engine for one setting, kept per target, so repeated `generate()` calls (and regen,
     benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
-    # the kernel mode is read when a step is traced, so it is part of what a compiled engine is;
-    # slots and capacity are the batcher's, not the programs'
+    # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
+    # part of what a compiled engine is; slots and capacity are the batcher's, not the programs'
     key = (id(draft), config.replace(max_num_seqs=1, max_model_len=None), *sampling_key(temperature, top_p),
-           kernel_mode())
+           kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:
         eng = per_target[key] = Engine(target, draft, config, temperature=temperature, top_p=top_p)

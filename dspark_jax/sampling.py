@@ -13,16 +13,18 @@ from dspark_jax.numerics import acc_dtype
 def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float = 0.0,
                  top_p: float = 1.0, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The Markov head, left to right: logits_k = base_k + W1[prev_k] W2^T (fp32; float64 under
-    x64), d_{k+1} drawn from them (argmax at T=0), prev_{k+1} = d_{k+1}. Returns drafts and the
-    biased logits."""
+    x64), d_{k+1} drawn from them (argmax at T=0), prev_{k+1} = d_{k+1}. Returns drafts as
+    target ids and the biased logits over the draft vocabulary [B,T,K] (K = V unless reduced: the
+    drawn draft index is mapped to its target id, which is also the next previous token)."""
     t = base_BTV.shape[1]
     keys = jax.random.split(key, t) if key is not None else jnp.zeros((t, 2), jnp.uint32)
 
     def step(prev_B, xs):
         base_BV, k = xs
         logits_BV = base_BV.astype(acc_dtype(base_BV)) + draft.markov_bias(prev_B)
-        tok_B = sample_tokens(logits_BV, temperature, top_p, k if key is not None else None)
-        return tok_B.astype(prev_B.dtype), (tok_B.astype(prev_B.dtype), logits_BV)
+        idx_B = sample_tokens(logits_BV, temperature, top_p, k if key is not None else None)
+        tok_B = draft.to_target_ids(idx_B).astype(prev_B.dtype)
+        return tok_B, (tok_B, logits_BV)
 
     _, (tokens_TB, logits_TBV) = jax.lax.scan(step, x0_B, (jnp.swapaxes(base_BTV, 0, 1), keys))
     return jnp.swapaxes(tokens_TB, 0, 1), jnp.swapaxes(logits_TBV, 0, 1)

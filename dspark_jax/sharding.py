@@ -14,7 +14,8 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax import params as params_lib
 
@@ -115,3 +116,30 @@ def create_sharded(ctor, mesh: Mesh, rules=LOGICAL_RULES):
     shardings = param_shardings(abs_state, mesh, rules)
     state = jax.jit(lambda: nnx.state(ctor()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
+
+
+def place_params(model, mesh: Mesh, load, rules=LOGICAL_RULES) -> nnx.Module:
+    """The one way weights reach devices (HF targets, Orbax targets, drafts): `model` is abstract
+    (or a constructor); `load(targets)` gets, per parameter name, a `jax.ShapeDtypeStruct` carrying
+    the parameter's NamedSharding from the rules table, and returns the arrays already placed
+    there (each loader reads its format its own way: tensor by tensor, or one Orbax restore).
+    Returns the module with every parameter filled; a missing one names itself."""
+    if not isinstance(model, nnx.Module):
+        model = params_lib.abstract(model)
+    graphdef, state = nnx.split(model)
+    targets = {}
+    for name, p in params_lib.flat_params(state).items():
+        value = p.get_value()
+        spec = logical_to_spec(params_lib.logical_axes(p), value.shape, mesh, rules)
+        targets[name] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec))
+    loaded = load(targets)
+    flat = []
+    for key_path, var in nnx.to_flat_state(state):
+        key = ".".join(str(k) for k in key_path)
+        if key in loaded:
+            var = var.replace(loaded[key])
+        elif isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            raise ValueError(f"{key}: no value loaded for this abstract {type(var).__name__} (only "
+                             "parameters are loaded from checkpoints)")
+        flat.append((key_path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

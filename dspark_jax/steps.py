@@ -23,7 +23,7 @@ from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
 from dspark_jax.layers.kda import KDASnapshots
 from dspark_jax.models.dspark import block_input_ids
 from dspark_jax.models.outputs import ForwardOutput
-from dspark_jax.sampling import filter_logits, markov_draft, sample_tokens
+from dspark_jax.sampling import filter_logits, markov_draft
 
 
 def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
@@ -63,8 +63,9 @@ def draft_context(draft, aux_BTA: jax.Array, positions_BT: jax.Array, valid_BT: 
 
 
 class DraftProposal(NamedTuple):
-    tokens_BT: jax.Array         # drafts d_1..d_T
-    logits_BTV: jax.Array        # Markov-biased draft logits that produced them (fp32)
+    tokens_BT: jax.Array         # drafts d_1..d_T (target ids)
+    logits_BTV: jax.Array        # Markov-biased draft logits that produced them (fp32), over the
+                                 # target vocabulary (-inf outside a reduced draft vocabulary)
     confidence_BT: jax.Array | None
     pool: PagedPool              # with the block's rows written (overwritten by draft_context later)
 
@@ -93,6 +94,9 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
     h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)
     base_BTV = draft.base_logits(h_BTD, lm_head_VD)
     tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key)
+    # over target ids: a reduced draft vocabulary gives zero probability outside the kept set, so
+    # rejection sampling's residual max(p - q, 0) is p there and verification stays lossless
+    logits = draft.scatter_to_target(logits)
     conf = None
     if cfg.enable_confidence_head:
         prev = jnp.concatenate([anchor_B[:, None], tokens[:, :-1]], 1)
@@ -130,7 +134,8 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     """Lossless speculative sampling: accept d_k with prob min(1, p(d_k)/q(d_k)); at the first
     rejection emit a sample of the residual norm(max(p - q, 0)); if all accepted, a bonus sample
     from p at the last row. p, q are the target's and the draft's (Markov-biased) distributions
-    after the same temperature/top-p. `limit_B` caps the drafts each row verifies (room left,
+    after the same temperature/top-p; q may be zero (-inf logits) outside a reduced draft
+    vocabulary (drafts never fall there). `limit_B` caps the drafts each row verifies (room left,
     or the confidence schedule): a cut made without looking at the target keeps this lossless."""
     b, t = drafts_BT.shape
     logp = filter_logits(target_logits_BT1V, temperature, top_p)       # [B,T+1,V]

@@ -13,6 +13,10 @@
 # The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v2: this script's output with the
 # defaults below (STAGES=1 stops after v0, STAGES=2 after v1; v0 was trained on the same 591 rows
 # in the cache's completion order, the snapshot holds them in pool order).
+# Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
+# random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
+# in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
+# holds the lr after warmup. The warm-vs-random ablation at equal CPU time: scripts/ablate_warm_start.sh.
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
 # same way as v0 on the same answers:  ABLATION=1 STAGES=1 scripts/demo_draft.sh
 set -euo pipefail
@@ -26,8 +30,11 @@ LIMIT2=${LIMIT2:-882}         # stage 2: the first N prompts (880 usable answers
 STEPS2=${STEPS2:-80}          # stage 2: optimizer steps of 16 sequences
 STEPS3=${STEPS3:-160}         # stage 3: optimizer steps of 16 sequences, offline teacher
 STAGES=${STAGES:-3}
+EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
+LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
 NAME=smollm2-135m-dspark
+if [ -n "${WARM:-}" ]; then NAME=$NAME-warm; fi   # its own run dirs: never resume a random-init run
 mkdir -p "$RUN"
 if [ -n "${ABLATION:-}" ]; then
     NAME=smollm2-135m-dflash-ablation
@@ -54,14 +61,16 @@ distill() {   # run dir, steps, anchors, data flags (resumes from the run dir's 
     python -m train.distill --target smollm2-135m --target_dtype float32 \
         --run_dir "$dir" --total_steps "$steps" --global_batch 16 --micro_batch 4 --max_len 512 \
         --num_anchors "$anchors" --lr 6e-4 --warmup_frac 0.04 --min_lr_frac 0.1 --clip 1.0 \
-        --compute_dtype float32 --save_every 5 --log_every 1 "$@"
+        --compute_dtype float32 --save_every 5 --log_every 1 --lr_schedule "$LR_SCHEDULE" \
+        --eval_every "$EVAL_EVERY" "$@"
 }
 last_export() { ls -d "$1"/export/step_* | sort | tail -1; }
 
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
 [ -s "$RUN/answers-$LIMIT.jsonl" ] || answers "$LIMIT"
-distill "$RUN/distill-$NAME-1" "$STEPS" 64 --data "$RUN/answers-$LIMIT.jsonl" --draft_config "$CONFIG" --seed 0
+distill "$RUN/distill-$NAME-1" "$STEPS" 64 --data "$RUN/answers-$LIMIT.jsonl" --draft_config "$CONFIG" --seed 0 \
+    ${WARM:+--warm_start}
 final=$(last_export "$RUN/distill-$NAME-1")
 
 # (4) stage 2 (v1): more answers, then distillation continued from stage 1's draft (fresh optimizer)

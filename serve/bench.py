@@ -52,12 +52,7 @@ def main(argv) -> None:
     del argv
     from dspark_jax.data.benchmarks import OFFICIAL_COUNTS
     from dspark_jax.serving import bench
-    from dspark_jax.serving.models import (
-        describe,
-        fingerprint,
-        load_draft_spec,
-        load_pair,
-    )
+    from dspark_jax.serving.models import describe, fingerprint, load_draft_spec, load_pair
 
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs, prints and writes the results

@@ -53,9 +53,12 @@ def tiny_llama(seed: int = 0, vocab: int = 96) -> LlamaModel:
     return model
 
 
-def tiny_draft(target, seed: int = 1, layer_ids=(0, 2), markov_rank: int = 8) -> K3DSparkModel:
+def tiny_draft(target, seed: int = 1, layer_ids=(0, 2), markov_rank: int = 8,
+               kept_ids=None) -> K3DSparkModel:
+    """`kept_ids`: ascending target ids of a reduced draft vocabulary (draft_vocab_size = len)."""
     tc = target.cfg
-    cfg = DraftConfig.from_dict(dict(
+    extra = {} if kept_ids is None else {"draft_vocab_size": len(kept_ids)}
+    cfg = DraftConfig.from_dict(dict(**extra,
         hidden_size=tc.hidden_size, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
@@ -66,6 +69,9 @@ def tiny_draft(target, seed: int = 1, layer_ids=(0, 2), markov_rank: int = 8) ->
                              rope_theta=10000.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)))
     draft = K3DSparkModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     randomize(draft, seed)
+    if kept_ids is not None:
+        from dspark_jax.checkpoint.draft_layout import set_vocab_map
+        set_vocab_map(draft, kept_ids)
     return draft
 
 

@@ -16,7 +16,6 @@ from dspark_jax.engine_config import EngineConfig
 from dspark_jax.generate import eos_ids
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
-
 SLOTS, MAX_LEN, T = 3, 128, 4
 
 

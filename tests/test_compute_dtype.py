@@ -104,9 +104,10 @@ def test_batched_generation_with_the_shipped_draft(demo_pair, smollm2_dir):
 
 def test_bf16_target_programs_have_no_mixed_dot():
     """A bf16 target (and draft) on CPU: the float32-accumulated products upcast their operands."""
-    from tests.gen_utils import tiny_draft, tiny_llama
-    from dspark_jax.engine import cast_floating
     from flax import nnx
+
+    from dspark_jax.engine import cast_floating
+    from tests.gen_utils import tiny_draft, tiny_llama
 
     target, draft = tiny_llama(), None
     draft = tiny_draft(target)

@@ -7,6 +7,7 @@ import os
 # The sharded-load test wants 8 host devices; `make test` sets this, a bare `pytest` gets it here.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import copy
 import json
 import subprocess
 import sys
@@ -15,20 +16,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
 import pytest
 import torch
-import orbax.checkpoint.experimental.v1 as ocp
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from dspark_jax import sharding
-from dspark_jax.checkpoint import draft_io
-from dspark_jax.checkpoint.draft_io import (convert_draft, draft_inventory, load_draft, orbax_to_torch,
-                                            torch_to_orbax)
+from dspark_jax.checkpoint import draft_io, orbax_io
+from dspark_jax.checkpoint.draft_io import convert_draft, load_draft, orbax_to_torch, torch_to_orbax
+from dspark_jax.checkpoint.draft_layout import abstract_draft, draft_inventory
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig, yarn_mscale
 from dspark_jax.layers.rope import yarn_correction_range
 from dspark_jax.params import flat_params
+from tests.float64 import TABLE_ULPS, TorchFloat64, assert_close, ulps, x64
 from tests.torch_ref_dspark import DSparkDraftRef, yarn_tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,8 +162,8 @@ def test_tensors_bigger_than_a_chunk_stream_in_bands(tmp_path, monkeypatch, save
     assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
     theirs = load_file(str(src / "model.safetensors"))
-    stored = draft_io._flatten(ocp.metadata(orb / "params").metadata)
-    tree = draft_io._flatten(ocp.load(orb / "params"))
+    stored = orbax_io.flatten(ocp.metadata(orb / "params").metadata)
+    tree = orbax_io.flatten(ocp.load(orb / "params"))
     banded = 0
     for name, t in theirs.items():
         nbytes, row = t.numel() * 2, t[0].numel() * 2
@@ -226,11 +228,33 @@ def _inputs(seed: int, n: int = 5):
     return aux, lm_head
 
 
+def _float64_reference(ref: DSparkDraftRef, inv_freq: np.ndarray) -> DSparkDraftRef:
+    """A float64 copy of the torch reference holding our float32 YaRN table (both build it in
+    float32 from spec C.4; checked to agree to TABLE_ULPS here and for the K3 draft in
+    test_k3_yarn_constants_reach_the_attention), so the float64 comparison is not decided by the
+    last bit of two pow() implementations."""
+    ref64 = copy.deepcopy(ref).double()
+    for layer in ref64.layers:
+        assert np.all(ulps(inv_freq, layer.self_attn.inv_freq.numpy()) <= TABLE_ULPS)
+        layer.self_attn.inv_freq = torch.from_numpy(np.array(inv_freq, np.float64))
+    return ref64
+
+
 def test_block_forward_matches_torch_reference(tiny_f32):
+    """Float64 on both sides (tests/float64.py): the reference runs `.double()` under
+    TorchFloat64 (its `.float()` casts become float64), our draft under x64 from the same
+    float32 checkpoint (torch and Orbax layouts)."""
     root, ref, embed = tiny_f32
     aux, lm_head = _inputs(0)
+    aux, lm_head = aux.astype(np.float64), lm_head.astype(np.float64)
     anchor, t = 17, 7
-    base_r, drafts_r, conf_r = ref.block_forward(torch.from_numpy(aux), anchor, embed, torch.from_numpy(lm_head), t)
+    with x64():
+        drafts64 = [load_draft(path, dtype=jnp.float64) for path in (root / "torch", root / "orbax")]
+    ref = _float64_reference(ref, drafts64[0].layers[0].self_attn.rope.inv_freq)
+    embed = embed.double()
+    with torch.no_grad(), TorchFloat64():
+        base_r, drafts_r, conf_r = ref.block_forward(torch.from_numpy(aux), anchor, embed,
+                                                     torch.from_numpy(lm_head), t)
     # the greedy drafts are only comparable if no step is a near-tie
     w1, w2 = ref.markov_head.markov_w1.weight.detach(), ref.markov_head.markov_w2.weight.detach()
     prevs = [anchor] + drafts_r[:-1].tolist()
@@ -240,14 +264,12 @@ def test_block_forward_matches_torch_reference(tiny_f32):
     # and the Markov bias must matter here, else the test would not see a broken head
     assert (biased.argmax(-1) != base_r.argmax(-1)).any()
 
-    for path in (root / "torch", root / "orbax"):
-        draft = load_draft(path, dtype=jnp.float32)
-        base, drafts, conf = draft.block_forward(aux, anchor, embed.numpy(), lm_head, num_speculative_tokens=t)
-        # fp32 on both sides, differences are summation order only: measured max |diff| 1.7e-6 on
-        # logits up to 3.7 and 1.2e-7 on the confidences; ~10x headroom
-        np.testing.assert_allclose(np.asarray(base), base_r.numpy(), rtol=0, atol=2e-5)
+    for draft in drafts64:
+        with x64():
+            base, drafts, conf = draft.block_forward(aux, anchor, embed.numpy(), lm_head, num_speculative_tokens=t)
+        assert_close(np.asarray(base), base_r, "base logits")
         np.testing.assert_array_equal(np.asarray(drafts), drafts_r.numpy())
-        np.testing.assert_allclose(np.asarray(conf), conf_r.numpy(), rtol=0, atol=1e-6)
+        assert_close(np.asarray(conf), conf_r, "confidence")
 
 
 def test_torch_and_orbax_loads_are_identical_and_dtype_cast(tiny_f32, tmp_path):
@@ -340,13 +362,13 @@ def test_full_size_inventory_is_computed_abstractly():
     owned = draft_inventory(cfg, include_embed=False)
     assert len(owned.tensors) == 67 and owned.num_params == 2_387_907_841
     # nothing was materialised: the abstract model's params are shape/dtype structs
-    abstract = draft_io.abstract_draft(cfg)
+    abstract = abstract_draft(cfg)
     assert all(isinstance(p.get_value(), jax.ShapeDtypeStruct) for p in flat_params(abstract).values())
 
 
 def test_k3_yarn_constants_reach_the_attention():
     cfg = DraftConfig.from_json(K3_DRAFT_JSON)
-    attn = draft_io.abstract_draft(cfg).layers[0].self_attn
+    attn = abstract_draft(cfg).layers[0].self_attn
     assert yarn_correction_range(cfg.rope, cfg.qk_rope_head_dim) == (15, 26)
     assert yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) == pytest.approx(1.3465736, abs=1e-7)
     assert attn.softmax_scale == pytest.approx(0.13086080, abs=1e-8)
@@ -354,7 +376,7 @@ def test_k3_yarn_constants_reach_the_attention():
     # the frequency table equals the reference's, written independently from spec C.4
     inv_freq, mult, scale, low, high = yarn_tables(json.loads(K3_DRAFT_JSON.read_text()))
     assert (low, high) == (15, 26) and mult == 1.0 and scale == pytest.approx(attn.softmax_scale, rel=1e-12)
-    np.testing.assert_allclose(attn.rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+    assert np.all(ulps(attn.rope.inv_freq, inv_freq.numpy()) <= TABLE_ULPS)   # both float32 (tests/float64.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-
-import jax
-import jax.numpy as jnp
 
 from dspark_jax import steps
 from dspark_jax.batcher import Batcher, Request
@@ -300,6 +299,7 @@ def test_verify_lengths_is_the_best_prefix_choice():
     """Greedy admission equals the brute-force optimum of tau / t(B) over every choice of
     per-row prefix lengths (R=3, T=4, 200 random confidence sets and costs)."""
     import itertools
+
     from dspark_jax.schedule import VerifyCost, verify_lengths
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -19,8 +19,8 @@ from flax import nnx
 
 from benchmarks import gpu_bench, gpu_payload
 from benchmarks.crossover import auto_choice, crossover_report, crossover_span
-from tests.test_gguf_tokenizer import (TINY, TINY_MERGES, TINY_SPECIALS, TINY_TEMPLATE, gguf_name,
-                                       llama_cpp_permute, tiny_hf_weights, tiny_tokens)
+from tests.test_gguf_tokenizer import (TINY, TINY_MERGES, TINY_SPECIALS, TINY_TEMPLATE, gguf_name, llama_cpp_permute,
+                                       tiny_hf_weights, tiny_tokens)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,11 +130,30 @@ def test_goals_from_results():
     assert sum(1 for g in gpu_bench.goals({}) if g["ok"] is None) == 6    # nothing measured: nothing claimed
 
 
+def test_a_stopped_demo_stage_keeps_its_finished_runs():
+    """demo/torch record every run as it ends: a stage killed at its limit still reports tok/s
+    over the full-length runs that compiled nothing (warm-ups and compiling runs left out)."""
+    runs = [{"system": "ours_plain:bfloat16", "max_new_tokens": 16, "new_tokens": 16, "seconds": 9.0, "compiled": True},
+            {"system": "ours_plain:bfloat16", "max_new_tokens": 128, "new_tokens": 128, "seconds": 5.0,
+             "compiled": True},
+            {"system": "ours_plain:bfloat16", "max_new_tokens": 128, "new_tokens": 128, "seconds": 0.5,
+             "compiled": False},
+            {"system": "ours_plain:bfloat16", "max_new_tokens": 128, "new_tokens": 72, "seconds": 0.3,
+             "compiled": False},
+            {"system": "ours_spec:bfloat16", "max_new_tokens": 128, "new_tokens": 128, "seconds": 0.4,
+             "compiled": False}]
+    data = {"max_new_tokens": 128, "runs": runs}
+    assert gpu_bench.partial_speeds(data) == {"ours_plain:bfloat16": (200 / 0.8, 2), "ours_spec:bfloat16": (320.0, 1)}
+    table = gpu_bench.tables({"demo": {"status": "timeout", "data": data}}, {})
+    assert "## Demo pair / torch, partial" in table and "| ours_plain:bfloat16 | 250.0 | 2 |" in table
+    assert "## Demo pair, real weights" not in table
+
+
 def test_k3_slice_is_k3_at_full_width():
+    from dspark_jax import params as params_lib
     from dspark_jax.config import DraftConfig, KimiConfig
     from dspark_jax.models.dspark import K3DSparkModel
     from dspark_jax.models.kimi import KimiLinearModel
-    from dspark_jax import params as params_lib
 
     raw_t, raw_d = gpu_bench.k3_slice(4)
     t, d = KimiConfig.from_dict(raw_t), DraftConfig.from_dict(raw_d)
@@ -250,14 +269,15 @@ def test_failures_hangs_skips_and_the_budget(tiny_payload, tmp_path):
     proc = _bench(["--out", str(out), "--tiny", "--payload", str(partial), "--state_dir", str(state),
                    "--no-compile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
                    str(ROOT / "dspark_jax" / "configs" / "smollm2-135m-dspark.json"),
-                   "--stage_timeouts", "steps_k3=8", "--min_stage_s", "1", "--budget_s", "300"])
+                   "--stage_timeouts", "steps_k3=4", "--min_stage_s", "1", "--budget_s", "300"])
     assert proc.returncode == 1, proc.stdout[-4000:]                          # an error and a timeout
     r = json.loads((out / "results.json").read_text())["results"]
     assert r["torch"]["status"] == "skipped" and "sees no CUDA device" in r["torch"]["reason"]
     assert r["demo"]["status"] == "skipped"
     assert "missing parts/tiny.gguf.part-001 (run 2 of 3 carries it)" in r["demo"]["reason"]
     assert r["steps_demo"]["status"] == "error" and r["steps_demo"]["rc"] != 0
-    assert any("a DSpark draft config, not a target's" in line for line in r["steps_demo"]["log_tail"])
+    assert "a DSpark draft config, not a target's" in r["steps_demo"]["reason"]
+    assert any("Traceback" in line for line in r["steps_demo"]["log_tail"])
     assert r["steps_k3"]["status"] == "timeout" and r["steps_k3"]["rc"] is None
     assert "1 of 3 parts intact" in (out / "bench.log").read_text()
 
@@ -301,3 +321,18 @@ def test_random_weights_on_host_and_device():
         assert packed and all(v.dtype == np.uint8 and len(np.unique(v)) > 200 for v in packed)
         assert abs(floats.std() - 0.02) < 2e-3 and abs(floats.mean()) < 1e-3
         assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_shell_wrappers(tmp_path):
+    """scripts/gpu_bench.sh passes its flags on ($PYTHON picks the interpreter); gpu_check.sh is
+    its kernels + steps_demo stages."""
+    env = dict(os.environ, PYTHON=sys.executable, XLA_FLAGS="")
+    proc = subprocess.run(["scripts/gpu_bench.sh", str(tmp_path / "out"), "--stages", "torch,demo", "--budget_s", "1",
+                           "--state_dir", str(tmp_path / "state")], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["stages_this_run"] == {"torch": "skipped", "demo": "skipped"} and res["budget_s"] == 1
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "exec scripts/gpu_bench.sh" in check and "--stages kernels,steps_demo" in check
+    assert subprocess.run(["bash", "-n", "scripts/gpu_check.sh"], cwd=ROOT).returncode == 0

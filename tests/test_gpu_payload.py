@@ -96,7 +96,8 @@ def test_bad_part_is_named_and_nothing_is_left(packed, damage):
     if damage == "flip":
         blob[100] ^= 0xFF
         part.write_bytes(bytes(blob))
-        want = r"bad parts/model.bin.part-002: sha256 [0-9a-f]{64}, expected [0-9a-f]{64} \(corrupted\) \(carry it again: run 3\)"
+        want = (r"bad parts/model.bin.part-002: sha256 [0-9a-f]{64}, expected [0-9a-f]{64} \(corrupted\) "
+                r"\(carry it again: run 3\)")
     elif damage == "truncate":
         part.write_bytes(bytes(blob[:-1]))
         want = r"bad parts/model.bin.part-002: 2501 bytes, expected 2502 \(truncated"

@@ -21,7 +21,7 @@ from dspark_jax.config import KimiConfig
 from dspark_jax.layers.attn_res import attn_res
 from dspark_jax.layers.mlp import GLUMLP, situ
 from dspark_jax.layers.moe import MoE, route
-from dspark_jax.layers.mxfp4 import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize
+from dspark_jax.layers.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from dspark_jax.params import flat_params
 from tests.float64 import TorchFloat64, assert_close, x64
 
@@ -267,15 +267,44 @@ def _k3_latent_situ_moe_check(use_norm, renorm):
 # 3. MXFP4
 
 
-def spec_decode(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Spec A.4 with python ints and math.ldexp, one element at a time."""
-    rows, half = packed.shape
-    out = np.zeros((rows, 2 * half), np.float64)
-    for o in range(rows):
-        for j in range(half):
-            for c, code in ((2 * j, int(packed[o, j]) & 0x0F), (2 * j + 1, int(packed[o, j]) >> 4)):
-                out[o, c] = math.ldexp(float(E2M1_VALUES[code]), int(scales[o, c // 32]) - 127)
-    return out
+def transformers_decode(packed: np.ndarray, scales: np.ndarray, dtype) -> np.ndarray:
+    """An independent MXFP4 decoder: transformers' `integrations.mxfp4.convert_moe_packed_tensors`
+    (GPT-OSS's loader: its own E2M1 table, low nibble first, `ldexp` by the E8M0 exponent, computed
+    in `dtype`). It takes `[E, rows, groups, 16]` bytes + `[E, rows, groups]` scales and returns
+    `[E, in, rows]`; ours is `[..., rows, in/2]` + `[..., rows, in/32]` -> `[..., rows, in]`."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    *lead, rows, half = packed.shape
+    e = math.prod(lead)
+    blocks = torch.from_numpy(np.ascontiguousarray(packed).reshape(e, rows, half // 16, 16))
+    w = convert_moe_packed_tensors(blocks, torch.from_numpy(np.ascontiguousarray(scales).reshape(e, rows, -1)),
+                                   dtype={jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16}[dtype])
+    return w.transpose(1, 2).float().numpy().reshape(*lead, rows, 2 * half)
+
+
+def _same_bits(a, b) -> np.ndarray:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mxfp4_decode_matches_transformers(dtype):
+    """Every byte at every E8M0 exponent 2..254, bit for bit (signed zeros and overflow to inf
+    included) against transformers' decoder. Excluded: s = 0, 1, whose products are subnormal
+    (< 2^-126: XLA:CPU flushes them to 0, torch keeps them), and s = 255, NaN in the OCP MX spec
+    (ours: 0 * 2^128 = NaN, torch: ldexp(0, 128) = 0). Real checkpoints have s ~ 115-125."""
+    rng = np.random.default_rng(16)
+    rows, groups = 2 * 253, 16                          # each row: all 256 bytes in a random order
+    packed = np.stack([rng.permutation(256).astype(np.uint8) for _ in range(rows)])[None]
+    scales = (2 + (np.arange(rows)[:, None] + 37 * np.arange(groups)) % 253).astype(np.uint8)[None]
+    assert set(np.unique(scales)) == set(range(2, 255))
+    ours = mxfp4_dequantize(jnp.asarray(packed), jnp.asarray(scales), dtype)
+    assert ours.dtype == dtype and ours.shape == (1, rows, 512)
+    theirs = transformers_decode(packed, scales, dtype)
+    same = _same_bits(ours, theirs)
+    assert same.all(), f"{(~same).sum()} values differ, first at {np.argwhere(~same)[0]}"
+    assert np.isinf(theirs).any() and (np.signbit(theirs) & (theirs == 0)).any()   # the edges are in
 
 
 def test_mxfp4_decode_hand_built_bytes():
@@ -288,7 +317,7 @@ def test_mxfp4_decode_hand_built_bytes():
     scales[1] = 127
     scales[1, 0] = 130                                  # first group x8
     w = np.asarray(mxfp4_dequantize(jnp.asarray(packed), jnp.asarray(scales), jnp.float32))
-    np.testing.assert_array_equal(w, spec_decode(packed, scales).astype(np.float32))
+    assert _same_bits(w, transformers_decode(packed, scales, jnp.float32)).all()
     # low nibble = even column: 0x21 -> (0.5, 1.0); 0x8F -> (-6, -0); 0x7A -> (-1, 6); x 2**3
     assert w[1, :6].tolist() == [4.0, 8.0, -48.0, 0.0, -8.0, 48.0]
     assert np.signbit(w[1, 3]) and not np.signbit(w[1, 6])       # code 8 is -0, code 0 is +0
@@ -475,7 +504,8 @@ def test_attn_res_prescaled_rms_does_not_overflow():
 
 def _ep_check():
     """EP over "tensor" (8, and 4 with a data axis of 2) == the single-device dense path."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from dspark_jax import sharding
 

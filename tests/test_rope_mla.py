@@ -16,7 +16,8 @@ import pytest
 import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from transformers import DeepseekV3Config, KimiLinearConfig, LlamaConfig as HFLlamaConfig
+from transformers import DeepseekV3Config, KimiLinearConfig
+from transformers import LlamaConfig as HFLlamaConfig
 from transformers.modeling_rope_utils import _compute_yarn_parameters
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kl
@@ -25,8 +26,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 from dspark_jax import sharding
 from dspark_jax.config import DraftConfig, KimiConfig, RopeScaling, yarn_mscale
 from dspark_jax.layers.mla import MLAttention, causal_mask
-from dspark_jax.layers.rope import (RotaryEmbedding, softmax_scale, yarn_correction_range,
-                                    yarn_inv_freq_and_mscale)
+from dspark_jax.layers.rope import RotaryEmbedding, softmax_scale, yarn_correction_range, yarn_inv_freq_and_mscale
 from dspark_jax.params import flat_params, logical_axes
 from tests.float64 import TABLE_ULPS, TorchFloat64, assert_close, x64
 from tests.float64 import share_rope_table as _share_table

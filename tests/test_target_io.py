@@ -18,7 +18,7 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
-from dspark_jax.checkpoint import target_io
+from dspark_jax.checkpoint import orbax_io, target_io
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import KimiConfig
 from dspark_jax.models.kimi import KimiLinearModel, load_kimi
@@ -131,7 +131,7 @@ def test_storage_chunks_follow_the_tensor_sharding(tmp_path, monkeypatch):
     cfg = KimiConfig.from_dict(_config())
     model = KimiLinearModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     dst = target_io.convert_target(_write_hf(tmp_path / "hf", model, _config()), tmp_path / "orbax")
-    meta = target_io._flatten(ocp.metadata(dst / "params").metadata)
+    meta = orbax_io.flatten(ocp.metadata(dst / "params").metadata)
     mesh = sharding.make_mesh(tensor=8)
     checked = 0
     for name, p in params_lib.flat_params(model).items():

@@ -9,9 +9,16 @@ Offline teacher (shards written by `python -m train.teacher`, possibly still bei
     python -m train.distill --target smollm2-135m --teacher_dir runs/demo/teacher ...
 
 Rerunning the same command resumes from the newest checkpoint in --run_dir. --init_from starts
-from a torch-layout draft; --resume_torchspec converts a TorchSpec training checkpoint
-(checkpoint_N.pt) into this run's first checkpoint. The draft is exported in the torch layout to
-<run_dir>/export/step_N at every checkpoint.
+from a torch-layout draft; --warm_start initialises a fresh draft from the target where shapes allow
+(dspark_jax/train/warm_start.py: MLP + norms of the target's last layers, identity context_proj on
+the last aux layer, zero Markov output side and confidence head; attention random);
+--resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
+checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
+
+Monitoring: --eval_every N measures the served tok/fwd of the current weights (T=0, 7 drafts,
+generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, outside the
+acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
+<run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
 
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
@@ -57,7 +64,11 @@ flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are trunc
 flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
+flags.DEFINE_bool("warm_start", False, "Initialise the draft from the target where shapes allow "
+                  "(dspark_jax/train/warm_start.py); not with --init_from.")
 flags.DEFINE_float("lr", 5e-5, "Peak learning rate.")
+flags.DEFINE_enum("lr_schedule", "cosine", list(trainer_lib.LR_SCHEDULES),
+                  "After the linear warmup: cosine decay to --min_lr_frac, or constant at --lr.")
 flags.DEFINE_float("warmup_frac", 0.04, "Warmup fraction of total steps.")
 flags.DEFINE_float("min_lr_frac", 0.0, "Final learning rate as a fraction of the peak.")
 flags.DEFINE_float("clip", 1.0, "Gradient clipping (global norm).")
@@ -68,6 +79,14 @@ flags.DEFINE_enum("compute_dtype", "auto", ["auto", "bfloat16", "float32"],
 flags.DEFINE_integer("seed", 0, "Init, data order and anchor sampling seed.")
 flags.DEFINE_integer("save_every", 100, "Checkpoint (and export) every N steps.")
 flags.DEFINE_integer("log_every", 1, "Log every N steps.")
+flags.DEFINE_integer("eval_every", 0, "Held-out served tok/fwd every N steps (0: off).", lower_bound=0)
+flags.DEFINE_integer("eval_num_prompts", 8, "Held-out GSM8K-test prompts (from --eval_offset).", lower_bound=1)
+flags.DEFINE_integer("eval_offset", 60, "First held-out GSM8K-test prompt (>= 60: benchmarks.acceptance "
+                     "uses the first 60).", lower_bound=60)
+flags.DEFINE_string("eval_prompts_file", None, "Held-out prompts JSONL instead of GSM8K ({\"prompt_ids\"}, "
+                    "{\"messages\"} or {\"prompt\"} rows).")
+flags.DEFINE_integer("eval_max_new_tokens", 128, "Tokens generated per held-out prompt.", lower_bound=1)
+flags.DEFINE_integer("eval_batch_size", 8, "Held-out prompts per generate() call.", lower_bound=1)
 flags.DEFINE_integer("stop_after", None, "Stop after this many steps in this invocation (resume later).")
 flags.mark_flags_as_required(["run_dir"])
 
@@ -90,6 +109,8 @@ def main(argv: list[str]) -> None:
         mesh = distributed.global_mesh(fsdp=jax.device_count(), tensor=1, data=1)
     else:
         mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
+    if FLAGS.warm_start and FLAGS.init_from:
+        raise app.UsageError("--warm_start initialises a fresh draft: it cannot be combined with --init_from")
     init_draft = None
     if FLAGS.init_from:
         from dspark_jax.checkpoint.draft_io import load_draft
@@ -99,8 +120,21 @@ def main(argv: list[str]) -> None:
         draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
     elif not FLAGS.init_from:
         raise app.UsageError("--draft_config or --init_from is required")
+    if FLAGS.eval_every and settings.multi_process:
+        raise app.UsageError("--eval_every is single-process only (the draft is sharded over hosts)")
+    if FLAGS.lr_schedule == "constant" and FLAGS.min_lr_frac:
+        log(f"note: --min_lr_frac {FLAGS.min_lr_frac} is unused with --lr_schedule constant")
 
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
+    if FLAGS.warm_start:
+        from flax import nnx
+
+        from dspark_jax.models.dspark import K3DSparkModel
+        from dspark_jax.train.warm_start import warm_start
+        # the same random init as a run without --warm_start (same seed), then the target's tensors
+        init_draft = sharding_lib.create_sharded(
+            lambda: K3DSparkModel(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(FLAGS.seed)), mesh)
+        warm_start(init_draft, target, log=log)
     online = FLAGS.data is not None
     if online:
         rows = [row for path in _data_files(FLAGS.data) for row in regen.read_cache(path)]
@@ -123,7 +157,8 @@ def main(argv: list[str]) -> None:
         run_dir=FLAGS.run_dir, total_steps=total, global_batch=FLAGS.global_batch, micro_batch=FLAGS.micro_batch,
         max_len=FLAGS.max_len, lr=FLAGS.lr, warmup_frac=FLAGS.warmup_frac, min_lr_frac=FLAGS.min_lr_frac,
         clip_norm=FLAGS.clip, weight_decay=FLAGS.weight_decay, compute_dtype=_compute_dtype(), seed=FLAGS.seed,
-        log_every=FLAGS.log_every, save_every=FLAGS.save_every,
+        log_every=FLAGS.log_every, save_every=FLAGS.save_every, lr_schedule=FLAGS.lr_schedule,
+        eval_every=FLAGS.eval_every,
         # the per-checkpoint export reads every parameter on the host: multi-host exports once, below
         export=not settings.multi_process,
         loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma))
@@ -142,7 +177,20 @@ def main(argv: list[str]) -> None:
     if primary:
         with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:
             json.dump({k: v.value for k, v in FLAGS.__flags.items() if k in _OWN_FLAGS}, f, indent=1)
-    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after)
+    evaluator = None
+    if FLAGS.eval_every:
+        from dspark_jax.train import monitor
+        if FLAGS.eval_prompts_file:
+            prompts = monitor.read_prompts_file(FLAGS.eval_prompts_file)
+            where = FLAGS.eval_prompts_file
+        else:
+            prompts = monitor.gsm8k_heldout_prompts(FLAGS.eval_num_prompts, start=FLAGS.eval_offset)
+            where = f"GSM8K test {FLAGS.eval_offset}..{FLAGS.eval_offset + len(prompts) - 1}"
+        evaluator = monitor.HeldOutEval(target, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
+                                        num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
+        log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
+            f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
+    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator)
     if settings.multi_process:
         _export_multihost(trainer, Path(FLAGS.run_dir), log)
     log("done")
@@ -186,7 +234,8 @@ def _compute_dtype() -> str:
 _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "resume_torchspec",
               "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len", "num_anchors",
               "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
-              "seed", "save_every", "log_every"}
+              "seed", "save_every", "log_every", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
+              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size"}
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ flags.DEFINE_integer("num_shards", 1, "Split the pool over this many processes."
 flags.DEFINE_integer("shard_index", 0, "This process's shard (prompts i with i % num_shards == index).")
 flags.DEFINE_string("snapshot", None, "After the run, also write the answers of the first --limit prompts, in "
                     "pool order, to this file: a fixed training set while --out keeps growing.")
+flags.DEFINE_string("archive", None, "A directory of gzipped answer parts (committable): restored into --out "
+                    "before the run, and every finished part of 500 answers copied there as the run goes.")
 flags.mark_flags_as_required(["prompts", "out"])
 
 
@@ -86,8 +88,13 @@ def main(argv: list[str]) -> None:
                                    temperature=FLAGS.temperature, seed=FLAGS.seed,
                                    chat_template_sha256=regen.template_sha256(tokenizer),
                                    min_loss_tokens=FLAGS.min_loss_tokens)
+    if FLAGS.archive:
+        n = regen.restore_cache(FLAGS.archive, out)
+        if n:
+            log(f"restored {n} answers from {FLAGS.archive}")
+    on_write = (lambda: regen.archive_cache(out, FLAGS.archive)) if FLAGS.archive else None
     counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
-                              batch_size=FLAGS.batch_size, log=log)
+                              batch_size=FLAGS.batch_size, log=log, on_write=on_write)
     kept = sum(r["kept"] for r in regen.read_cache(out))
     log(f"done: {counts}; {kept} kept samples in {out}")
     if FLAGS.snapshot:

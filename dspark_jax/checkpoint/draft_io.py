@@ -31,12 +31,8 @@ any failure removes it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import shutil
-import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,22 +42,22 @@ from typing import Callable, Iterator, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.checkpoint.safetensors_io import (DTYPE_NAMES, DTYPES, CheckpointError, SafetensorsFile,
-                                                  header_for, save_arrays, write_streaming)
+from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, nest, orbax, orbax_context, orbax_leaves, staging
+from dspark_jax.checkpoint.safetensors_io import (DTYPES, CheckpointError, SafetensorsFile, header_for,
+                                                  save_arrays, write_streaming)
+from dspark_jax.checkpoint.draft_layout import (EMBED_NAME, MAX_LISTED, TORCHSPEC_METADATA, TensorEntry, abstract_draft,
+                                                check_tensors, check_vocab_map, draft_inventory, dtype_name,
+                                                vocab_map_arrays, vocab_map_vars)
 from dspark_jax.config import ConfigError, DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 
 SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 LAYOUT_FILE = "safetensors_layout.json"
-PARAMS_DIR = "params"
-EMBED_NAME = "embed_tokens.weight"
-TORCHSPEC_METADATA = {"torchspec_version": "0.1.0"}
 LAYOUT_FORMAT = "dspark_jax.draft_orbax"
 LAYOUT_VERSION = 1
 
@@ -69,163 +65,8 @@ _CHUNK_BYTES = 64 * 2**20     # a row band: the unit of every read, write and --
                               # the stored Orbax chunk (big enough for full-speed sequential I/O)
 _IN_FLIGHT = 2                # torch -> Orbax: band writes outstanding while the next band is read
 _ORBAX_TREE_DIR = "state"     # the checkpointable Orbax v1 saves a PyTree under
-_MAX_LISTED = 12
 
 Progress = Callable[[str], None]
-
-
-# ---------------------------------------------------------------------------------------------
-# abstract inventory
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str                # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-
-    @property
-    def num_params(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_params * DTYPES[self.dtype].itemsize
-
-
-@dataclass(frozen=True)
-class DraftInventory:
-    """What the torch-layout file of a draft holds, in file order, and its exact size."""
-    tensors: tuple[TensorEntry, ...]
-    header_size: int          # JSON header bytes (padded to 8-byte alignment)
-
-    @property
-    def num_params(self) -> int:
-        return sum(t.num_params for t in self.tensors)
-
-    @property
-    def data_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    @property
-    def file_bytes(self) -> int:
-        return 8 + self.header_size + self.data_bytes
-
-
-def _dtype_name(dtype) -> str:
-    return DTYPE_NAMES[np.dtype(jnp.dtype(dtype))]
-
-
-def abstract_draft(cfg: DraftConfig, dtype=None) -> K3DSparkModel:
-    """The draft with ShapeDtypeStruct params (nothing allocated); dtype defaults to the config's."""
-    dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    return nnx.eval_shape(lambda: K3DSparkModel(cfg, dtype=dt, rngs=nnx.Rngs(0)))
-
-
-def expected_tensors(cfg: DraftConfig, *, include_embed: bool = True) -> dict[str, TensorEntry]:
-    """Name -> entry for every tensor the config implies (the model's params, plus the target's
-    embedding copy), all in the config's `torch_dtype`."""
-    dt = _dtype_name(cfg.dtype)
-    out = {}
-    if include_embed:
-        out[EMBED_NAME] = TensorEntry(EMBED_NAME, dt, (cfg.vocab_size, cfg.hidden_size))
-    for name, p in params_lib.flat_params(abstract_draft(cfg)).items():
-        out[name] = TensorEntry(name, dt, tuple(p.get_value().shape))
-    return out
-
-
-def draft_inventory(cfg: DraftConfig, *, include_embed: bool = True,
-                    metadata: Mapping[str, str] | None = TORCHSPEC_METADATA) -> DraftInventory:
-    """The tensors a torch-layout draft file holds for `cfg`, in the order torch's `save_file`
-    writes them (wider dtypes first, then by name), and the header size; computed abstractly."""
-    entries = sorted(expected_tensors(cfg, include_embed=include_embed).values(),
-                     key=lambda t: (-DTYPES[t.dtype].itemsize, t.name))
-    raw, _ = header_for([(t.name, t.dtype, t.shape) for t in entries], metadata)
-    return DraftInventory(tuple(entries), len(raw))
-
-
-# ---------------------------------------------------------------------------------------------
-# validation against config.json
-
-# Which config.json keys size each dimension, for errors that say what to fix.
-_DIM_KEYS: dict[str, tuple[str, ...]] = {
-    "embed_tokens.weight": ("vocab_size", "hidden_size"),
-    "context_proj.weight": ("hidden_size", "len(target_layer_ids) * target_hidden_size"),
-    "context_norm.weight": ("hidden_size",),
-    "final_norm.weight": ("hidden_size",),
-    "input_layernorm.weight": ("hidden_size",),
-    "post_attention_layernorm.weight": ("hidden_size",),
-    "markov_w1.weight": ("vocab_size", "markov_rank"),
-    "markov_w2.weight": ("vocab_size", "markov_rank"),
-    "proj.weight": ("1", "hidden_size + markov_rank (confidence_head_with_markov)"),
-    "proj.bias": ("1",),
-    "q_proj.weight": ("num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)", "hidden_size"),
-    "q_a_proj.weight": ("q_lora_rank", "hidden_size"),
-    "q_a_layernorm.weight": ("q_lora_rank",),
-    "q_b_proj.weight": ("num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)", "q_lora_rank"),
-    "kv_a_proj_with_mqa.weight": ("kv_lora_rank + qk_rope_head_dim", "hidden_size"),
-    "kv_a_layernorm.weight": ("kv_lora_rank",),
-    "kv_b_proj.weight": ("num_attention_heads * (qk_nope_head_dim + v_head_dim)", "kv_lora_rank"),
-    "o_proj.weight": ("hidden_size", "num_attention_heads * v_head_dim"),
-    "gate_proj.weight": ("intermediate_size", "hidden_size"),
-    "up_proj.weight": ("intermediate_size", "hidden_size"),
-    "down_proj.weight": ("hidden_size", "intermediate_size"),
-}
-
-
-def _dim_keys(name: str) -> tuple[str, ...] | None:
-    parts = name.split(".")
-    return _DIM_KEYS.get(".".join(parts[-2:]), _DIM_KEYS.get(name))
-
-
-def _presence_hint(name: str, cfg: DraftConfig, missing: bool) -> str:
-    """The config key that decides whether a tensor exists."""
-    layer = re.match(r"layers\.(\d+)\.", name)
-    if layer and (missing or int(layer.group(1)) >= cfg.num_hidden_layers):
-        return f"config.json num_hidden_layers={cfg.num_hidden_layers}"
-    if layer:
-        return "no DSpark draft layer has it"
-    if name.startswith("markov_head."):
-        return f"config.json markov_rank={cfg.markov_rank}"
-    if name.startswith("confidence_head."):
-        return f"config.json enable_confidence_head={str(cfg.enable_confidence_head).lower()}"
-    return "the draft needs it" if missing else "not a DSpark draft tensor"
-
-
-def _shape_problem(name: str, got: tuple[int, ...], want: tuple[int, ...], cfg: DraftConfig) -> str:
-    keys = _dim_keys(name)
-    if len(got) != len(want) or keys is None:
-        return f"has shape {list(got)}, config.json implies {list(want)}"
-    bad = [f"dim {i} is {g}, config.json {keys[i]} = {w}"
-           for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    return f"has shape {list(got)}, config.json implies {list(want)} ({'; '.join(bad)})"
-
-
-def check_tensors(cfg: DraftConfig, found: Sequence[TensorEntry], where: str) -> None:
-    """Raise CheckpointError listing every tensor in `found` that config.json does not imply
-    (missing, unexpected, wrong shape, wrong dtype); `embed_tokens.weight` may be absent."""
-    want = expected_tensors(cfg)
-    have = {t.name: t for t in found}
-    problems = []
-    for name, w in want.items():
-        if name not in have:
-            if name != EMBED_NAME:
-                problems.append(f"{where}: missing tensor {name!r} ({list(w.shape)} {w.dtype}; "
-                                f"{_presence_hint(name, cfg, True)})")
-            continue
-        t = have[name]
-        if t.shape != w.shape:
-            problems.append(f"{where}: tensor {name!r} {_shape_problem(name, t.shape, w.shape, cfg)}")
-        elif t.dtype != w.dtype:
-            problems.append(f"{where}: tensor {name!r} is {t.dtype}, config.json torch_dtype "
-                            f"{cfg.dtype!r} implies {w.dtype}")
-    for name in have:
-        if name not in want:
-            problems.append(f"{where}: unexpected tensor {name!r} ({_presence_hint(name, cfg, False)})")
-    if problems:
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise CheckpointError(f"{where} does not match its config.json ({len(problems)} problem(s)):\n  "
-                              + "\n  ".join(problems[:_MAX_LISTED]) + more)
 
 
 def _read_config(path: Path) -> tuple[DraftConfig, bytes]:
@@ -356,58 +197,6 @@ def open_torch_draft(path: str | Path) -> TorchDraft:
     entries = _entries_in_file_order(sf)
     check_tensors(cfg, entries, str(st))
     return TorchDraft(path, cfg, raw, sf, entries)
-
-
-def _orbax():
-    """orbax.checkpoint v1, imported on first use (it is slow to import and only converters need it)."""
-    import orbax.checkpoint.experimental.v1 as ocp
-    return ocp
-
-
-def _orbax_context():
-    ocp = _orbax()
-    ctx = ocp.Context()
-    # bf16 weights barely compress; zstd would dominate the conversion time
-    ctx.array.saving.use_compression = False
-    # the arrays are ours and never mutated during the save: Orbax's defensive copy would double
-    # the peak memory
-    ctx.memory.deepcopy_host_arrays = False
-    return ctx
-
-
-def _orbax_leaves(path: Path) -> dict[str, object]:
-    """The flat {name: array metadata} of the Orbax checkpoint in `path`/params."""
-    params_dir = path / PARAMS_DIR
-    if not params_dir.is_dir():
-        raise CheckpointError(f"{path}: no Orbax checkpoint directory {PARAMS_DIR}/")
-    try:
-        with _orbax_context():
-            return _flatten(_orbax().metadata(params_dir).metadata)
-    except Exception as e:  # Orbax/tensorstore raise many types; name what failed
-        raise CheckpointError(f"{params_dir}: not a readable Orbax checkpoint ({type(e).__name__}: {e})") from e
-
-
-def _nest(flat: Mapping[str, object]) -> dict:
-    """{"a.b.c": x} -> {"a": {"b": {"c": x}}}: the NNX path as the Orbax tree."""
-    tree: dict = {}
-    for name, value in flat.items():
-        node = tree
-        *parents, leaf = name.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, name + "."))
-        else:
-            out[name] = v
-    return out
 
 
 class _OrbaxArrays:
@@ -541,7 +330,7 @@ def open_orbax_draft(path: str | Path) -> OrbaxDraft:
     cfg, raw = _read_config(path / CONFIG_FILE)
     layout_path = path / LAYOUT_FILE
     params_dir = path / PARAMS_DIR
-    leaves = _orbax_leaves(path)
+    leaves = orbax_leaves(path)
     if layout_path.exists():
         try:
             layout = json.loads(layout_path.read_text())
@@ -572,7 +361,7 @@ def open_orbax_draft(path: str | Path) -> OrbaxDraft:
     problems += [f"{params_dir}: unexpected tensor {n!r}" for n in leaves if n not in known]
     if problems:
         raise CheckpointError(f"{path}: the Orbax params do not match the draft layout "
-                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:_MAX_LISTED]))
+                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:MAX_LISTED]))
     return OrbaxDraft(path, cfg, raw, header_bytes, tensors, _OrbaxArrays(params_dir))
 
 
@@ -586,22 +375,6 @@ def is_orbax_draft_dir(path: Path) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # conversion
-
-
-@contextlib.contextmanager
-def _staging(dst: Path) -> Iterator[Path]:
-    """A fresh temp dir next to `dst`, renamed to `dst` on success and removed on any failure."""
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise CheckpointError(f"{dst}: destination exists and is not an empty directory")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        os.rename(tmp, dst)      # atomic; replaces an empty dst directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -686,11 +459,11 @@ def _write_orbax_arrays(src: TorchDraft, arrays: _OrbaxArrays, progress: Progres
 def torch_to_orbax(src: str | Path, dst: str | Path, *, check: bool = False,
                    progress: Progress | None = None) -> OrbaxDraft:
     """Convert a torch-layout draft dir to the Orbax layout (see the module docstring)."""
-    ocp = _orbax()
+    ocp = orbax()
     src_draft = open_torch_draft(src)
     dst = Path(dst)
     header = src_draft.file.header_bytes
-    with _staging(dst) as tmp:
+    with staging(dst) as tmp:
         (tmp / CONFIG_FILE).write_bytes(src_draft.config_bytes)
         layout = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "file": SAFETENSORS_FILE,
                   "header": header.decode("utf-8")}
@@ -698,8 +471,8 @@ def torch_to_orbax(src: str | Path, dst: str | Path, *, check: bool = False,
         # Orbax writes the tree: its metadata and a one-element placeholder of each leaf's dtype
         # and rank, which `_write_orbax_arrays` then replaces by the real array
         placeholders = {t.name: np.zeros((1,) * len(t.shape), DTYPES[t.dtype]) for t in src_draft.tensors}
-        with _orbax_context():
-            ocp.save(tmp / PARAMS_DIR, _nest(placeholders))
+        with orbax_context():
+            ocp.save(tmp / PARAMS_DIR, nest(placeholders))
         arrays = _OrbaxArrays(tmp / PARAMS_DIR)
         _write_orbax_arrays(src_draft, arrays, progress)
         arrays.sync()
@@ -733,7 +506,7 @@ def orbax_to_torch(src: str | Path, dst: str | Path, *, check: bool = False,
             if progress is not None and (rows is None or rows[1] == t.shape[0]):
                 progress(f"wrote {t.name}")
 
-    with _staging(dst) as tmp:
+    with staging(dst) as tmp:
         write_streaming(tmp / SAFETENSORS_FILE, [(t.name, t.dtype, t.shape) for t in src_draft.tensors],
                         chunks(), header_bytes=src_draft.header_bytes)
         (tmp / CONFIG_FILE).write_bytes(src_draft.config_bytes)
@@ -781,15 +554,18 @@ def load_draft(path: str | Path, *, dtype=None, mesh: Mesh | None = None) -> K3D
     else:
         raise CheckpointError(f"{path}: neither a torch nor an Orbax draft directory")
     mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
-    graphdef, state = nnx.split(abstract_draft(src.cfg, dtype))
-    flat = []
-    for key_path, var in nnx.to_flat_state(state):
-        name = ".".join(str(k) for k in key_path)
-        abstract = var.get_value()
-        spec = sharding_lib.logical_to_spec(params_lib.logical_axes(var), abstract.shape, mesh)
-        value = src.read(name).astype(abstract.dtype, copy=False)
-        flat.append((key_path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = abstract_draft(src.cfg, dtype)
+    if src.cfg.reduced_vocab:
+        # the map (d2t/t2d, not parameters): checked against each other, int32/bool in the model
+        d2t, t2d = src.read("d2t"), src.read("t2d")
+        check_vocab_map(src.cfg, d2t, t2d, str(path))
+        maps = vocab_map_vars(model)
+        maps["d2t"].set_value(jax.device_put(jnp.asarray(d2t.astype(np.int32))))
+        maps["t2d"].set_value(jax.device_put(jnp.asarray(t2d.astype(bool))))
+    return sharding_lib.place_params(
+        model, mesh,
+        lambda targets: {name: jax.device_put(src.read(name).astype(t.dtype, copy=False), t.sharding)
+                         for name, t in targets.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -804,9 +580,13 @@ def save_torch_draft(model: K3DSparkModel, cfg_dict: Mapping, dst: str | Path) -
     dt = np.dtype(jnp.dtype(cfg.dtype))
     arrays = {name: np.asarray(jax.device_get(p.get_value())).astype(dt)
               for name, p in params_lib.flat_params(model).items()}
-    check_tensors(cfg, [TensorEntry(n, _dtype_name(a.dtype), tuple(a.shape)) for n, a in arrays.items()],
+    maps = vocab_map_vars(model)
+    if maps:   # the EAGLE-3 form: d2t int64 offsets, t2d bool mask
+        d2t = np.asarray(jax.device_get(maps["d2t"].get_value())).astype(np.int64)
+        arrays["d2t"], arrays["t2d"] = vocab_map_arrays(np.arange(d2t.shape[0]) + d2t, cfg.vocab_size)
+    check_tensors(cfg, [TensorEntry(n, dtype_name(a.dtype), tuple(a.shape)) for n, a in arrays.items()],
                   "save_torch_draft")
-    with _staging(Path(dst)) as tmp:
+    with staging(Path(dst)) as tmp:
         save_arrays(tmp / SAFETENSORS_FILE, arrays, TORCHSPEC_METADATA)
         (tmp / CONFIG_FILE).write_text(json.dumps(dict(cfg_dict), indent=2) + "\n")
     return open_torch_draft(dst)

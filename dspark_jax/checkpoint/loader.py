@@ -39,13 +39,13 @@ _MAX_LISTED = 12
 
 
 @dataclass(frozen=True)
-class _Plan:
+class ParamPlan:
     path: str                      # NNX path of the param
     names: tuple[str, ...]         # checkpoint tensors: one, or one per expert (stacked)
     stacked: bool                  # True: names[e] fills row e of the param
     shape: tuple[int, ...]
     dtype: np.dtype
-    axes: tuple[str | None, ...]
+    axes: tuple[str | None, ...]   # logical axes (the sharding rules place it)
 
 
 def expert_tensor_name(stacked_name: str, expert: int) -> str:
@@ -91,8 +91,8 @@ def _check(ckpt: ShardedCheckpoint, name: str, shape: tuple[int, ...], dtype: np
     return [problem] if problem else []
 
 
-def _plan(flat: Mapping[str, nnx.Param], ckpt: ShardedCheckpoint, to_name: Callable[[str], str],
-          policy: DtypePolicy) -> tuple[list[_Plan], list[str]]:
+def plan_params(flat: Mapping[str, nnx.Param], ckpt: ShardedCheckpoint, to_name: Callable[[str], str],
+          policy: DtypePolicy) -> tuple[list[ParamPlan], list[str]]:
     plans, errors = [], []
     for path, p in flat.items():
         value = p.get_value()
@@ -103,19 +103,19 @@ def _plan(flat: Mapping[str, nnx.Param], ckpt: ShardedCheckpoint, to_name: Calla
             names = tuple(expert_tensor_name(name, e) for e in range(shape[0]))
             for n in names:
                 errors += _check(ckpt, n, shape[1:], dtype, policy, path)
-            plans.append(_Plan(path, names, True, shape, dtype, axes))
+            plans.append(ParamPlan(path, names, True, shape, dtype, axes))
         else:
             errors += _check(ckpt, name, shape, dtype, policy, path)
-            plans.append(_Plan(path, (name,), False, shape, dtype, axes))
+            plans.append(ParamPlan(path, (name,), False, shape, dtype, axes))
     return plans, errors
 
 
-def _read(ckpt: ShardedCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
+def read_tensor(ckpt: ShardedCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
     arr = ckpt.read(name)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
-def _stacked_array(ckpt: ShardedCheckpoint, plan: _Plan, sharding: NamedSharding) -> jax.Array:
+def stacked_array(ckpt: ShardedCheckpoint, plan: ParamPlan, sharding: NamedSharding) -> jax.Array:
     """Build each device's slice from only the experts it holds; replicas of a slice are copied
     device to device instead of re-read."""
     placed: dict[tuple, jax.Array] = {}
@@ -126,7 +126,7 @@ def _stacked_array(ckpt: ShardedCheckpoint, plan: _Plan, sharding: NamedSharding
             lo, hi, _ = key[0]
             host = np.empty((hi - lo,) + plan.shape[1:], plan.dtype)
             for row, e in enumerate(range(lo, hi)):
-                host[row] = _read(ckpt, plan.names[e], plan.dtype)
+                host[row] = read_tensor(ckpt, plan.names[e], plan.dtype)
             placed[key] = jax.device_put(host[(slice(None),) + tuple(index[1:])], device)
             singles.append(placed[key])
         else:
@@ -156,11 +156,10 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
         model = params_lib.abstract(model)
     mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
     ckpt = ShardedCheckpoint(checkpoint_dir)
-    graphdef, state = nnx.split(model)
     rename_fn = _renamer(rename)
 
-    flat = params_lib.flat_params(state)
-    plans, errors = _plan(flat, ckpt, lambda p: prefix + rename_fn(p), dtype_policy)
+    flat = params_lib.flat_params(model)
+    plans, errors = plan_params(flat, ckpt, lambda p: prefix + rename_fn(p), dtype_policy)
     consumed = {n for plan in plans for n in plan.names}
     ignore_re = [re.compile(r) for r in ignore]
     for name in ckpt.keys():
@@ -172,23 +171,16 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
         raise CheckpointError(f"checkpoint {ckpt.dir} does not fit the model "
                               f"({len(errors)} problem(s)):\n  " + "\n  ".join(errors[:_MAX_LISTED]) + more)
 
-    loaded: dict[str, jax.Array] = {}
-    for i, plan in enumerate(plans):
-        sharding = NamedSharding(mesh, sharding_lib.logical_to_spec(plan.axes, plan.shape, mesh))
-        if plan.stacked:
-            loaded[plan.path] = _stacked_array(ckpt, plan, sharding)
-        else:
-            loaded[plan.path] = jax.device_put(_read(ckpt, plan.names[0], plan.dtype), sharding)
-        if progress is not None:
-            progress(i + 1, len(plans), plan.path)
+    def load(targets) -> dict[str, jax.Array]:
+        loaded = {}
+        for i, plan in enumerate(plans):
+            sharding = targets[plan.path].sharding
+            if plan.stacked:
+                loaded[plan.path] = stacked_array(ckpt, plan, sharding)
+            else:
+                loaded[plan.path] = jax.device_put(read_tensor(ckpt, plan.names[0], plan.dtype), sharding)
+            if progress is not None:
+                progress(i + 1, len(plans), plan.path)
+        return loaded
 
-    new_flat = []
-    for path, var in nnx.to_flat_state(state):
-        key = ".".join(str(k) for k in path)
-        if key in loaded:
-            var = var.replace(loaded[key])
-        elif isinstance(var.get_value(), jax.ShapeDtypeStruct):
-            raise ValueError(f"{key}: abstract non-Param variable {type(var).__name__}; only Params "
-                             "are loaded from checkpoints")
-        new_flat.append((path, var))
-    return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+    return sharding_lib.place_params(model, mesh, load)

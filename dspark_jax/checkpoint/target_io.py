@@ -45,8 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint import loader as loader_lib
-from dspark_jax.checkpoint.draft_io import (PARAMS_DIR, _flatten, _nest, _orbax, _orbax_context, _orbax_leaves,
-                                            _staging)
+from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, flatten, nest, orbax, orbax_context, orbax_leaves, staging
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
 from dspark_jax.config import ConfigError, KimiConfig
 
@@ -88,12 +87,12 @@ def _storage_array(ckpt: ShardedCheckpoint, plan, mesh: Mesh) -> jax.Array | np.
     of the param."""
     spec = sharding_lib.logical_to_spec(plan.axes, plan.shape, mesh)
     if all(axis is None for axis in spec):
-        return loader_lib._read(ckpt, plan.names[0], plan.dtype)
+        return loader_lib.read_tensor(ckpt, plan.names[0], plan.dtype)
     sharding = NamedSharding(mesh, spec)
     if plan.stacked:
-        return loader_lib._stacked_array(ckpt, plan, sharding)
+        return loader_lib.stacked_array(ckpt, plan, sharding)
     if spec[0] is None:         # columns split: read the tensor, place its slices
-        return jax.device_put(loader_lib._read(ckpt, plan.names[0], plan.dtype), sharding)
+        return jax.device_put(loader_lib.read_tensor(ckpt, plan.names[0], plan.dtype), sharding)
     name = plan.names[0]
     info, path = ckpt.info(name), ckpt.dir / ckpt.where[name]
     row_bytes = info.nbytes // plan.shape[0]
@@ -142,7 +141,7 @@ def _hf_plans(src: Path, cfg: KimiConfig) -> tuple[ShardedCheckpoint, list]:
     ckpt = ShardedCheckpoint(src)
     rename = _hf_rename(set(ckpt.keys()), cfg.tensor_prefix)
     flat = params_lib.flat_params(_abstract_target(cfg))
-    plans, errors = loader_lib._plan(flat, ckpt, lambda p: cfg.tensor_prefix + rename(p), "strict")
+    plans, errors = loader_lib.plan_params(flat, ckpt, lambda p: cfg.tensor_prefix + rename(p), "strict")
     consumed = {n for plan in plans for n in plan.names}
     ignore = [re.compile(r) for r in IGNORED_TENSORS]
     errors += [f"{ckpt.dir / ckpt.where[n]}: unexpected tensor {n!r} (no parameter of the model reads it)"
@@ -177,22 +176,22 @@ def convert_target(src: str | Path, dst: str | Path, *, progress: Progress | Non
     """Convert an HF kimi_linear-family checkpoint directory to the Orbax layout at `dst` (which
     must be absent or empty). Raises CheckpointError/ConfigError naming what is wrong, leaving
     nothing behind."""
-    ocp = _orbax()
+    ocp = orbax()
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise CheckpointError(f"{src}: source is not a directory")
     cfg, config_bytes = _read_config(src)
     ckpt, plans = _hf_plans(src, cfg)
     mesh = storage_mesh()
-    with _staging(dst) as tmp:
+    with staging(dst) as tmp:
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         _copy_side_files(src, tmp)
-        ctx = _orbax_context()
+        ctx = orbax_context()
         ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
         with ctx:
             for group in _param_groups(plans):
                 arrays = {plan.path: _storage_array(ckpt, plan, mesh) for plan in group}
-                ocp.partial.save(tmp / PARAMS_DIR, _nest(arrays))
+                ocp.partial.save(tmp / PARAMS_DIR, nest(arrays))
                 del arrays
                 if progress is not None:
                     progress(f"saved {', '.join(plan.path for plan in group)}")
@@ -224,7 +223,7 @@ def open_orbax_target(path: str | Path) -> tuple[KimiConfig, dict[str, object]]:
         raise CheckpointError(f"{path / LAYOUT_FILE}: not valid JSON ({e})") from None
     if not isinstance(layout, dict) or layout.get("format") != LAYOUT_FORMAT or layout.get("version") != LAYOUT_VERSION:
         raise CheckpointError(f"{path / LAYOUT_FILE}: expected format {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}")
-    return cfg, _orbax_leaves(path)
+    return cfg, orbax_leaves(path)
 
 
 def _leaf_problems(flat: Mapping[str, nnx.Param], leaves: Mapping[str, object], where: Path,
@@ -256,27 +255,17 @@ def load_kimi_orbax(path: str | Path, *, mesh: Mesh | None = None, dtype=None):
     path = Path(path)
     cfg, leaves = open_orbax_target(path)
     mesh = mesh if mesh is not None else sharding_lib.make_mesh(devices=jax.local_devices()[:1])
-    graphdef, state = nnx.split(_abstract_target(cfg, dtype))
-    flat = params_lib.flat_params(state)
-    problems = _leaf_problems(flat, leaves, path / PARAMS_DIR, cast=dtype is not None)
+    model = _abstract_target(cfg, dtype)
+    problems = _leaf_problems(params_lib.flat_params(model), leaves, path / PARAMS_DIR, cast=dtype is not None)
     if problems:
         raise _problems(f"{path}: the Orbax params do not match config.json", problems)
-    targets = {}
-    for name, p in flat.items():
-        value = p.get_value()
-        spec = sharding_lib.logical_to_spec(params_lib.logical_axes(p), value.shape, mesh)
-        targets[name] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec))
-    ocp = _orbax()
-    try:
-        with _orbax_context():
-            loaded = _flatten(ocp.load(path / PARAMS_DIR, _nest(targets)))
-    except Exception as e:
-        raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore the params ({type(e).__name__}: {e})") from e
-    new_flat = []
-    for key_path, var in nnx.to_flat_state(state):
-        key = ".".join(str(k) for k in key_path)
-        if key not in loaded:
-            raise ValueError(f"{key}: abstract non-Param variable {type(var).__name__}; only Params are "
-                             "loaded from checkpoints")
-        new_flat.append((key_path, var.replace(loaded[key])))
-    return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+
+    def restore(targets):
+        ocp = orbax()
+        try:
+            with orbax_context():
+                return flatten(ocp.load(path / PARAMS_DIR, nest(targets)))
+        except Exception as e:
+            raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore the params ({type(e).__name__}: {e})") from e
+
+    return sharding_lib.place_params(model, mesh, restore)

@@ -30,6 +30,7 @@ from dspark_jax.cache import FP8, FP8_SCALE, PagedPool
 from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
 from dspark_jax.layers.mla import masked_softmax, mla_scores_absorbed
+from dspark_jax.numerics import einsum_acc
 
 # `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
 # block table's pages x page size, i.e. the span a step attends over): below it XLA's fusion of
@@ -40,7 +41,6 @@ from dspark_jax.layers.mla import masked_softmax, mla_scores_absorbed
 # benchmarks.gpu_kernel_check --crossover` measures the crossover on a GPU and prints the value to
 # set; override with $DSPARK_MLA_PAGED_MIN_KEYS or `dispatch.mla_paged_min_keys_override(n)`.
 AUTO_MIN_KEYS = 32768
-from dspark_jax.numerics import einsum_acc
 
 
 def key_limits(positions_BT: jax.Array, causal: bool, max_len: int) -> jax.Array:

@@ -344,7 +344,7 @@ class KimiDeltaAttention(nnx.Module):
           last valid token) is the state after the row's last valid token; their outputs are junk.
         Returns (out_BTD, new_state) or, with return_snapshots, (out_BTD, new_state, KDASnapshots).
         """
-        from dspark_jax.kernels import dispatch   # Pallas kernel on GPU, these references on CPU
+        from dspark_jax.kernels import dispatch  # Pallas kernel on GPU, these references on CPU
 
         b, t, _ = x_BTD.shape
         h, hd, kc = self.num_heads, self.head_dim, self.conv_size

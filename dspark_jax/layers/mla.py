@@ -196,8 +196,12 @@ class MLAttention(nnx.Module):
         """Per-head attention outputs -> the layer output (output gate, then o_proj)."""
         o_BTX = o_BTNV.reshape(*o_BTNV.shape[:-2], self.num_heads * self.v_head_dim)
         if self.use_output_gate:
-            # sigmoid in the param dtype (bf16 in the reference, spec A.5.4), gate from the layer input
-            o_BTX = o_BTX * jax.nn.sigmoid(self.g_proj(x_BTD)).astype(o_BTX.dtype)
+            # gate from the layer input, sigmoid rounded to the param dtype, product in that dtype: the
+            # reference's bf16 `o * sigmoid(g)` (spec A.5.4). torch evaluates a bf16 sigmoid in fp32
+            # and rounds once; XLA's bf16 logistic rounds after every step (up to 2 bf16 ulps off),
+            # so it is evaluated in fp32 here (tests/test_bf16_casts.py)
+            g_BTX = self.g_proj(x_BTD)
+            o_BTX = o_BTX * jax.nn.sigmoid(g_BTX.astype(acc_dtype(g_BTX))).astype(o_BTX.dtype)
         return self.o_proj(o_BTX)
 
     def __call__(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray,

@@ -13,6 +13,14 @@ L = kv_lora_rank + qk_rope_head_dim latent row width, V vocab, r markov rank):
 - `markov_bias` / `markov_sample_greedy`: low-rank bigram bias W1[prev] W2^T (fp32) added to the
   target-lm_head logits, drafted left to right.
 - `confidence`: sigmoid(proj([h_k | W1[prev_k]]) + b), the predicted acceptance of draft k+1.
+
+Reduced draft vocabulary (config `draft_vocab_size` K < `vocab_size` V; EAGLE-3 / FR-Spec style):
+the draft's logits cover K kept target tokens only, the lm_head rows gathered by the map
+(`base_logits` -> [..., K]); `markov_w2` is [K, r] (output side), `markov_w1` stays [V, r] (input
+side, indexed by the previous TARGET id, which may be any token). The map travels with the draft as
+EAGLE-3 checkpoints carry it (vLLM / SpecForge names): `d2t` int64 [K] offsets, target id =
+draft index + d2t[index], and `t2d` bool [V], True for kept target ids. Kept ids are stored in
+ascending order (as EAGLE-3 / SpecForge build them). Drafts leave `markov_draft` as target ids.
 """
 
 from __future__ import annotations
@@ -68,13 +76,30 @@ class K3DSparkLayer(nnx.Module):
         return self.forward_with(h_BTD, attend)
 
 
-class MarkovHead(nnx.Module):
-    """Low-rank bigram bias: bias(prev) = W1[prev] @ W2^T, both [V, r], computed in fp32 (float64
-    for float64 weights)."""
+class VocabMap(nnx.Variable):
+    """The reduced draft vocabulary's map (`d2t`, `t2d`): integer/bool state, not trained, saved
+    with the draft at fixed dtypes (int64 / bool in the file; int32 / bool in the model)."""
 
-    def __init__(self, vocab_size: int, rank: int, *, dtype, rngs: nnx.Rngs):
+
+# file dtypes of the map tensors (EAGLE-3 / SpecForge buffers: d2t torch.long, t2d torch.bool)
+VOCAB_MAP_DTYPES = {"d2t": "I64", "t2d": "BOOL"}
+
+
+def default_vocab_map(cfg: DraftConfig) -> tuple[jax.Array, jax.Array]:
+    """(d2t int32 [K], t2d bool [V]) keeping the first K target ids (replaced by a chosen map)."""
+    k, v = cfg.draft_vocab, cfg.vocab_size
+    return jnp.zeros((k,), jnp.int32), jnp.arange(v) < k
+
+
+class MarkovHead(nnx.Module):
+    """Low-rank bigram bias: bias(prev) = W1[prev] @ W2^T, W1 [V, r] indexed by the previous target
+    id, W2 [K, r] over the draft vocabulary (K = V unless reduced), computed in fp32 (float64 for
+    float64 weights)."""
+
+    def __init__(self, vocab_size: int, rank: int, *, dtype, rngs: nnx.Rngs, draft_vocab_size: int | None = None):
         self.markov_w1 = Linear(rank, vocab_size, axes=("vocab", "markov"), dtype=dtype, rngs=rngs)
-        self.markov_w2 = Linear(rank, vocab_size, axes=("vocab", "markov"), dtype=dtype, rngs=rngs)
+        self.markov_w2 = Linear(rank, draft_vocab_size or vocab_size, axes=("vocab", "markov"), dtype=dtype,
+                                rngs=rngs)
 
     def prev_features(self, prev_ids: jax.Array) -> jax.Array:
         """W1[prev] [..., r] in the param dtype (also the confidence head's Markov input)."""
@@ -106,8 +131,14 @@ class K3DSparkModel(nnx.Module):
         self.layers = nnx.List([K3DSparkLayer(cfg, i, dtype=dtype, rngs=rngs)
                                 for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, dtype=dtype, rngs=rngs)
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, dtype=dtype, rngs=rngs,
+                                       draft_vocab_size=cfg.draft_vocab)
                             if cfg.markov_rank > 0 else None)
+        if cfg.reduced_vocab:
+            d2t, t2d = default_vocab_map(cfg)
+            self.d2t, self.t2d = VocabMap(d2t), VocabMap(t2d)
+        else:
+            self.d2t = self.t2d = None
         with_markov = cfg.confidence_head_with_markov and self.markov_head is not None
         self.confidence_with_markov = with_markov
         self.confidence_head = (ConfidenceHead(h + (cfg.markov_rank if with_markov else 0),
@@ -143,23 +174,65 @@ class K3DSparkModel(nnx.Module):
             h_BTD = layer.forward_with(h_BTD, attend)
         return self.final_norm(h_BTD)
 
+    # -- draft vocabulary ---------------------------------------------------------------------
+
+    def draft_token_ids(self) -> jax.Array | None:
+        """Target id of every draft index, int32 [K] (`arange(K) + d2t`); None at full vocab."""
+        if self.d2t is None:
+            return None
+        d2t = self.d2t.get_value()
+        return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
+
+    def to_target_ids(self, draft_idx: jax.Array) -> jax.Array:
+        """Draft indices -> target ids (identity at full vocab)."""
+        ids = self.draft_token_ids()
+        return draft_idx if ids is None else jnp.take(ids, draft_idx, axis=0).astype(draft_idx.dtype)
+
+    def to_draft_index(self, target_ids: jax.Array) -> jax.Array:
+        """Target ids -> draft indices, K (the bucket) for ids outside the kept set."""
+        ids = self.draft_token_ids()
+        if ids is None:
+            return target_ids
+        idx = jnp.clip(jnp.searchsorted(ids, target_ids), 0, ids.shape[0] - 1)
+        return jnp.where(jnp.take(ids, idx) == target_ids, idx, ids.shape[0]).astype(target_ids.dtype)
+
+    def head_rows(self, lm_head_VD: jax.Array) -> jax.Array:
+        """The lm_head rows of the draft vocabulary [K, D] (the target's head itself at full vocab,
+        or a head already gathered to K rows)."""
+        ids = self.draft_token_ids()
+        if ids is None or lm_head_VD.shape[0] == ids.shape[0]:
+            return lm_head_VD
+        return jnp.take(lm_head_VD, ids, axis=0)
+
+    def scatter_to_target(self, logits_XK: jax.Array) -> jax.Array:
+        """Draft-vocab logits [..., K] -> [..., V] with -inf outside the kept set (zero probability:
+        the distribution that produced the drafts, over target ids, for rejection sampling)."""
+        ids = self.draft_token_ids()
+        if ids is None:
+            return logits_XK
+        out = jnp.full(logits_XK.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, logits_XK.dtype)
+        return out.at[..., ids].set(logits_XK)
+
     def base_logits(self, h_XD: jax.Array, lm_head_VD: jax.Array) -> jax.Array:
-        """The target's lm_head on the draft's hidden states [..., D] -> [..., V], accumulated and
+        """The target's lm_head on the draft's hidden states [..., D] -> [..., K] (K = V unless the
+        draft vocabulary is reduced: then only the kept rows, `head_rows`), accumulated and
         returned in float32 (float64 under x64): the one precision of draft logits, in serving and
         in training alike (a bf16 draft rounds nothing here)."""
-        return einsum_acc("...d,vd->...v", h_XD.astype(lm_head_VD.dtype), lm_head_VD)
+        head_KD = self.head_rows(lm_head_VD)
+        return einsum_acc("...d,vd->...v", h_XD.astype(head_KD.dtype), head_KD)
 
     # -- Markov head --------------------------------------------------------------------------
 
     def markov_bias(self, prev_ids: jax.Array) -> jax.Array:
-        """fp32 [..., V] bias for the token after `prev_ids` (zeros without a Markov head)."""
+        """fp32 [..., K] bias for the token after the target ids `prev_ids` (zeros without a
+        Markov head)."""
         if self.markov_head is None:
-            return jnp.zeros(prev_ids.shape + (self.cfg.vocab_size,), jnp.float32)
+            return jnp.zeros(prev_ids.shape + (self.cfg.draft_vocab,), jnp.float32)
         return self.markov_head(prev_ids)
 
     def markov_sample_greedy(self, base_logits_BTV: jax.Array, x0_B: jax.Array) -> jax.Array:
-        """Drafts [B,T] left to right: d_{k+1} = argmax(base_k + bias(prev_k)), prev_0 = x0,
-        prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling; the generation code path)."""
+        """Drafts [B,T] (target ids) left to right: d_{k+1} = argmax(base_k + bias(prev_k)),
+        prev_0 = x0, prev_{k+1} = d_{k+1} (ATOM's greedy Markov sampling; the generation code path)."""
         return markov_draft(self, base_logits_BTV, x0_B)[0]
 
     # -- confidence head ----------------------------------------------------------------------
@@ -190,7 +263,8 @@ class K3DSparkModel(nnx.Module):
         aux_hidden [N, n_aux * D_target]: the target's aux rows at positions 0..N-1; the block
         `[anchor, M x (T-1)]` sits at positions N..N+T-1 and sees all N context rows and itself.
         `embed`, `lm_head`: the target's [V, D] tables (lm_head in torch layout). Returns
-        (base_logits [T,V] fp32, greedy Markov-biased draft_tokens [T], confidence [T] or None).
+        (base_logits [T,K] fp32 over the draft vocabulary (K = V unless reduced), greedy
+        Markov-biased draft_tokens [T] as target ids, confidence [T] or None).
         """
         return _block_forward(self, jnp.asarray(aux_hidden)[None], jnp.asarray(anchor_token, jnp.int32).reshape(1),
                               jnp.asarray(embed), jnp.asarray(lm_head), int(num_speculative_tokens))

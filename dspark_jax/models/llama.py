@@ -24,7 +24,7 @@ from dspark_jax import params as params_lib
 from dspark_jax.cache import TargetCaches
 from dspark_jax.checkpoint.loader import Progress, load_state
 from dspark_jax.config import LlamaConfig
-from dspark_jax.layers.linear import Embed, Linear
+from dspark_jax.layers.linear import Embed, Linear, linear_io
 from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.outputs import ForwardOutput, TargetLM
@@ -63,21 +63,30 @@ class LlamaAttention(nnx.Module):
         self.rope = RotaryEmbedding.plain(h, cfg.rope_theta, interleaved=False)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
 
-    def project(self, x_BTD: jax.Array, positions_BT: jax.Array
+    def project(self, x_BTD: jax.Array, positions_BT: jax.Array, qkv_DF: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,T,N,H] and k [B,T,K,H] rotated at their positions, v [B,T,K,H]."""
+        """q [B,T,N,H] and k [B,T,K,H] rotated at their positions, v [B,T,K,H]. `qkv_DF`: the three
+        projections as one [in, out] matrix (`LlamaModel.serving_weights`), one GEMM instead of three."""
         b, t, _ = x_BTD.shape
-        q_BTNH = self.rope(self.q_proj(x_BTD).reshape(b, t, self.num_heads, self.head_dim), positions_BT)
-        k_BTKH = self.rope(self.k_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim), positions_BT)
-        v_BTKH = self.v_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        if qkv_DF is None:
+            q, kk, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        else:
+            qkv = linear_io(x_BTD, qkv_DF)
+            q, kk, v = qkv[..., :n * h], qkv[..., n * h:(n + k) * h], qkv[..., (n + k) * h:]
+        q_BTNH = self.rope(q.reshape(b, t, n, h), positions_BT)
+        k_BTKH = self.rope(kk.reshape(b, t, k, h), positions_BT)
+        v_BTKH = v.reshape(b, t, k, h)
         return q_BTNH, k_BTKH, v_BTKH
 
     def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-               mask_BTS: jax.Array) -> jax.Array:
-        """Attention over any key set (cache dtype may differ from the params'), then o_proj."""
+               mask_BTS: jax.Array, o_FD: jax.Array | None = None) -> jax.Array:
+        """Attention over any key set (cache dtype may differ from the params'), then o_proj
+        (`o_FD`: its [in, out] copy)."""
         b, t = q_BTNH.shape[:2]
         out_BTNH = gqa_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS)
-        return self.o_proj(out_BTNH.reshape(b, t, self.num_heads * self.head_dim))
+        out_BTF = out_BTNH.reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_proj(out_BTF) if o_FD is None else linear_io(out_BTF, o_FD)
 
 
 class LlamaMLP(nnx.Module):
@@ -87,8 +96,14 @@ class LlamaMLP(nnx.Module):
         self.up_proj = Linear(d, i, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, d, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, weights: dict | None = None) -> jax.Array:
+        """`weights` (`LlamaModel.serving_weights`): gate|up as one [in, 2I] matrix and down as
+        [I, out]: two GEMMs instead of three."""
+        if weights is None:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = linear_io(x, weights["gate_up"])
+        i = gu.shape[-1] // 2
+        return linear_io(jax.nn.silu(gu[..., :i]) * gu[..., i:], weights["down"])
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -99,9 +114,9 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BTD: jax.Array, attention: AttentionFn) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, attention: AttentionFn, weights: dict | None = None) -> jax.Array:
         h_BTD = x_BTD + attention(self.layer_idx, self.self_attn, self.input_layernorm(x_BTD))
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), weights)
 
 
 class LlamaBackbone(nnx.Module):
@@ -121,9 +136,12 @@ class LlamaModel(TargetLM):
         super().__init__(cfg, LlamaBackbone(cfg, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs)
 
     def run(self, token_ids_BT: jax.Array, attention: AttentionFn,
-            aux_layer_ids: Sequence[int] = ()) -> ForwardOutput:
+            aux_layer_ids: Sequence[int] = (), weights: dict | None = None,
+            logits_rows_BR: jax.Array | None = None) -> ForwardOutput:
         """Embeddings -> decoder layers (attention supplied by the caller) -> norm -> lm_head,
-        capturing the outputs of `aux_layer_ids` (concatenated in the order given)."""
+        capturing the outputs of `aux_layer_ids` (concatenated in the order given). `weights`:
+        `serving_weights()` (the MLPs' fused [in, out] copies and the lm_head's [in, out] copy).
+        `logits_rows_BR`: only these rows' logits ([B,R,V]; a prefill needs the last prompt row's)."""
         bad = [i for i in aux_layer_ids if not 0 <= i < self.cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"aux_layer_ids {bad} outside 0..{self.cfg.num_hidden_layers - 1} "
@@ -131,11 +149,15 @@ class LlamaModel(TargetLM):
         x_BTD = self.model.embed_tokens(token_ids_BT)
         captured = {}
         for layer in self.model.layers:
-            x_BTD = layer(x_BTD, attention)
+            x_BTD = layer(x_BTD, attention, None if weights is None else weights["layers"][layer.layer_idx])
             captured[layer.layer_idx] = x_BTD
         aux = jnp.concatenate([captured[i] for i in aux_layer_ids], axis=-1) if aux_layer_ids else None
         final_BTD = self.model.norm(x_BTD)
-        return ForwardOutput(self.logits(final_BTD), aux, final_BTD)
+        head_in = final_BTD if logits_rows_BR is None else \
+            jnp.take_along_axis(final_BTD, logits_rows_BR[..., None], axis=1)
+        logits = self.logits(head_in) if weights is None or "head" not in weights \
+            else linear_io(head_in, weights["head"])
+        return ForwardOutput(logits, aux, final_BTD)
 
     def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (),
                 positions_BS: jax.Array | None = None, valid_BS: jax.Array | None = None) -> ForwardOutput:
@@ -167,11 +189,41 @@ class LlamaModel(TargetLM):
     def row_width(self) -> int:
         return 2 * self.cfg.num_key_value_heads * self.cfg.head_dim
 
+    def serving_weights(self, head: bool = True) -> dict:
+        """Copies of the weights in the layout XLA:CPU's GEMMs run best, built once per engine
+        (outside any program; the checkpoint layout and the declared params are untouched):
+        per layer q|k|v as one [D, (N+2K)H] matrix, gate|up as one [D, 2I], o and down as
+        [in, out]; with `head`, the lm_head as [D, V]. Concatenating inside a program instead
+        costs a copy of every weight per call. Each output column is the same dot product as
+        the separate [out, in] projection's, so greedy outputs stay identical to the
+        separate-GEMM path's up to the GEMM's summation order (see tests/test_serving_layout.py)."""
+        def t(w):
+            return jnp.asarray(jnp.transpose(w))
+
+        layers = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append({
+                "qkv": t(jnp.concatenate([a.q_proj.weight.get_value(), a.k_proj.weight.get_value(),
+                                          a.v_proj.weight.get_value()], 0)),
+                "o": t(a.o_proj.weight.get_value()),
+                "gate_up": t(jnp.concatenate([m.gate_proj.weight.get_value(), m.up_proj.weight.get_value()], 0)),
+                "down": t(m.down_proj.weight.get_value()),
+            })
+        out = {"layers": layers}
+        if head:
+            w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+            out["head"] = t(w.get_value())
+        return out
+
     def forward_cached(self, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
-                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
+                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool,
+                       weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                        ) -> tuple[ForwardOutput, TargetCaches, None]:
         """Each layer writes its rotated keys and values at the tokens' positions, then attends
-        over the logical cache up to each query's position. `verify` changes nothing here."""
+        over the logical cache up to each query's position. `verify` changes nothing here.
+        `weights`: `serving_weights()` (fused [in, out] projections), else the declared params.
+        `logits_rows_BR`: compute the logits of these rows only (`ForwardOutput.logits` [B,R,V])."""
         del verify
         pool = caches.pool
         dtype = self.dtype
@@ -179,13 +231,14 @@ class LlamaModel(TargetLM):
 
         def attention(layer_idx: int, attn: LlamaAttention, x: jax.Array) -> jax.Array:
             nonlocal pool
-            q, k, v = attn.project(x, positions_BT)           # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
+            w = None if weights is None else weights["layers"][layer_idx]
+            q, k, v = attn.project(x, positions_BT, None if w is None else w["qkv"])   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
             b, t, nkv, hd = k.shape
             pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
             kv = pool.read(layer_idx, dtype, 2 * nkv * hd).reshape(b, -1, nkv, 2 * hd)
-            return attn.attend(q, kv[..., :hd], kv[..., hd:], mask_BTS)
+            return attn.attend(q, kv[..., :hd], kv[..., hd:], mask_BTS, None if w is None else w["o"])
 
-        out = self.run(tokens_BT, attention, aux_layer_ids)
+        out = self.run(tokens_BT, attention, aux_layer_ids, weights, logits_rows_BR)
         return out, TargetCaches(pool, None), None
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dspark_jax.data.benchmarks import BenchItem, load_benchmark
 from dspark_jax.batcher import Batcher, Request
+from dspark_jax.data.benchmarks import BenchItem, load_benchmark
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError

@@ -13,6 +13,15 @@ Per sequence (B sequences of S tokens, A anchors, block width T, vocabulary V):
 6. loss = (ce_w * sum w CE + l1_w * sum w L1 + conf_w * sum w BCE) / sum w, one pooled
    denominator over everything that is summed (micro-batches, devices).
 
+Reduced draft vocabulary (K kept target ids, `draft.draft_token_ids()`): the draft's logits are
+over the K kept tokens; the target's distribution is folded into K + 1 classes, the kept tokens
+plus ONE bucket holding the target's mass outside the kept set. The draft's bucket logit is -inf:
+served drafts never fall outside the kept set, so the draft's distribution over target ids has
+zero mass there, and L1 = sum_kept |q - p| + p_bucket is exactly the L1 (2 x total variation)
+between the distribution the draft samples from and the target's, and 1 - L1/2 the exact
+acceptance probability. A label in the bucket has CE +inf under that draft; its CE term is
+dropped (0, its weight stays in the pooled denominator), its L1 and BCE terms count as usual.
+
 All reductions are returned as sums (`LossSums`) so gradient accumulation and sharding only add.
 """
 
@@ -153,20 +162,40 @@ def multi_anchor_hidden(draft, block_embeds_BATD: jax.Array, block_positions_BAT
 
 
 def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, conf_logit_BAT: jax.Array | None,
-                labels_BAT: jax.Array) -> TokenTerms:
+                labels_BAT: jax.Array, draft_ids_K: jax.Array | None = None) -> TokenTerms:
     """CE (hard labels, Markov-biased logits), L1 between the full probability vectors,
-    acceptance 1 - L1/2 and BCE(confidence logit -> stopgrad(acceptance)), all fp32."""
-    logp_BATV = jax.nn.log_softmax(draft_logits_BATV.astype(jnp.float32), axis=-1)
-    ce = -jnp.take_along_axis(logp_BATV, labels_BAT[..., None], axis=-1)[..., 0]
-    p_tgt_BATV = jax.nn.softmax(target_logits_BATV.astype(jnp.float32), axis=-1)
-    l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - p_tgt_BATV), axis=-1)
+    acceptance 1 - L1/2 and BCE(confidence logit -> stopgrad(acceptance)), all fp32 (float64
+    for float64 inputs).
+
+    `draft_ids_K` (ascending target ids of a reduced draft vocabulary): `draft_logits` are over
+    those K tokens, `target_logits` over the full vocabulary; the target mass outside the kept set
+    goes into one bucket where the draft has probability 0 (module docstring). The argmaxes are
+    returned as target ids either way."""
+    f32 = jnp.promote_types(draft_logits_BATV.dtype, jnp.float32)
+    logp_BATV = jax.nn.log_softmax(draft_logits_BATV.astype(f32), axis=-1)
+    p_tgt_BATV = jax.nn.softmax(target_logits_BATV.astype(f32), axis=-1)
+    if draft_ids_K is None:
+        ce = -jnp.take_along_axis(logp_BATV, labels_BAT[..., None], axis=-1)[..., 0]
+        l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - p_tgt_BATV), axis=-1)
+        draft_top1 = jnp.argmax(logp_BATV, axis=-1)
+    else:
+        k = draft_ids_K.shape[0]
+        lab_idx = jnp.clip(jnp.searchsorted(draft_ids_K, labels_BAT), 0, k - 1)
+        in_set = jnp.take(draft_ids_K, lab_idx) == labels_BAT             # else: the bucket
+        ce_kept = -jnp.take_along_axis(logp_BATV, lab_idx[..., None], axis=-1)[..., 0]
+        ce = jnp.where(in_set, ce_kept, 0.0)
+        p_kept = jnp.take(p_tgt_BATV, draft_ids_K, axis=-1)
+        kept_V = jnp.zeros(p_tgt_BATV.shape[-1], bool).at[draft_ids_K].set(True)
+        p_bucket = jnp.sum(jnp.where(kept_V, 0.0, p_tgt_BATV), axis=-1)  # summed directly, not 1 - sum
+        l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - p_kept), axis=-1) + p_bucket
+        draft_top1 = jnp.take(draft_ids_K, jnp.argmax(logp_BATV, axis=-1))
     accept = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)
     if conf_logit_BAT is None:
         bce = jnp.zeros_like(ce)
     else:
         x, y = conf_logit_BAT.astype(jnp.float32), jax.lax.stop_gradient(accept)
         bce = jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
-    return TokenTerms(ce, l1, accept, bce, jnp.argmax(logp_BATV, axis=-1), jnp.argmax(p_tgt_BATV, axis=-1))
+    return TokenTerms(ce, l1, accept, bce, draft_top1, jnp.argmax(p_tgt_BATV, axis=-1))
 
 
 def reduce_terms(terms: TokenTerms, blocks: Blocks, cfg: LossConfig) -> LossSums:
@@ -209,6 +238,8 @@ def distill_outputs(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, input_ids
     embeds_BATD = jnp.take(embed_VD, blocks.input_ids_BAT, axis=0)
     h_BATD = multi_anchor_hidden(draft, embeds_BATD, blocks.positions_BAT, kv_LBSW, anchors)
 
+    # [B,A,T,K]: over the draft vocabulary (K = V unless reduced: only the kept tokens' lm_head
+    # rows, the training-time saving); the teacher's logits below stay over all V
     draft_logits_BATV = draft.base_logits(h_BATD, lm_head_VD) + draft.markov_bias(blocks.prev_BAT)
     # the target state at a+k is the one that predicted x_{a+k+1}; lm_head runs on whichever is
     # smaller, the S positions or the A*T gathered rows (same values, row by row)
@@ -218,13 +249,13 @@ def distill_outputs(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, input_ids
         target_logits_BXV = jnp.take_along_axis(head(final_hidden_BSH), t_idx[..., None], axis=1)
     else:
         target_logits_BXV = head(jnp.take_along_axis(final_hidden_BSH, t_idx[..., None], axis=1))
-    target_logits_BATV = target_logits_BXV.reshape(draft_logits_BATV.shape)
+    target_logits_BATV = target_logits_BXV.reshape(blocks.positions_BAT.shape + target_logits_BXV.shape[-1:])
     conf = None
     if dcfg.enable_confidence_head:
         a, t = blocks.prev_BAT.shape[1:]
         conf = draft.confidence_logit(h_BATD.reshape(b * a, t, -1), blocks.prev_BAT.reshape(b * a, t))
         conf = conf.reshape(b, a, t)
-    terms = token_terms(draft_logits_BATV, target_logits_BATV, conf, blocks.labels_BAT)
+    terms = token_terms(draft_logits_BATV, target_logits_BATV, conf, blocks.labels_BAT, draft.draft_token_ids())
     return DistillOutputs(blocks, terms, reduce_terms(terms, blocks, cfg))
 
 

@@ -143,6 +143,69 @@ def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str
     return len(prompt_ids)
 
 
+ARCHIVE_PART = 500      # answers per archived part
+
+
+def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part_size: int = ARCHIVE_PART) -> int:
+    """Copy the cache's answers into `archive_dir` as immutable gzipped parts of `part_size` rows
+    in cache order (`part-00000.jsonl.gz`, ...) plus the settings file: a form small enough to
+    commit, so a later machine resumes the answer generation (`restore_cache`). Only whole parts
+    are written; existing parts must hold the cache's first rows. Returns the rows archived."""
+    import gzip
+
+    rows = read_cache(cache)
+    out = Path(archive_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if meta_path(cache).exists():
+        (out / "meta.json").write_text(meta_path(cache).read_text())
+    parts = sorted(out.glob("part-*.jsonl.gz"))
+    done = 0
+    for part in parts:
+        with gzip.open(part, "rt", encoding="utf-8") as f:
+            ids = [json.loads(line)["id"] for line in f if line.strip()]
+        if [r["id"] for r in rows[done:done + len(ids)]] != ids:
+            raise ValueError(f"{part}: its answers are not rows {done}..{done + len(ids) - 1} of {cache}")
+        done += len(ids)
+    while len(rows) - done >= part_size:
+        dst = out / f"part-{done // part_size:05d}.jsonl.gz"
+        tmp = dst.with_name(dst.name + ".tmp")
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[done:done + part_size])
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # reproducible bytes
+            f.write(data.encode("utf-8"))
+        os.replace(tmp, dst)
+        done += part_size
+    return done
+
+
+def restore_cache(archive_dir: str | os.PathLike, cache: str | os.PathLike) -> int:
+    """Put the archived answers at the head of the cache (a fresh machine resumes where the
+    archive ends); answers the cache already holds are kept. Returns the rows restored."""
+    import gzip
+
+    parts = sorted(Path(archive_dir).glob("part-*.jsonl.gz"))
+    if not parts:
+        return 0
+    cache = Path(cache)
+    have = read_cache(cache)
+    archived = []
+    for part in parts:
+        with gzip.open(part, "rt", encoding="utf-8") as f:
+            archived += [json.loads(line) for line in f if line.strip()]
+    ids = {r["id"] for r in archived}
+    if ids <= {r["id"] for r in have}:
+        return 0                                    # the cache already holds the archive
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    meta = Path(archive_dir) / "meta.json"
+    if meta.exists() and not meta_path(cache).exists():
+        meta_path(cache).write_text(meta.read_text())
+    tmp = cache.with_name(cache.name + ".restore.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in archived + [r for r in have if r["id"] not in ids]:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, cache)
+    return len(archived)
+
+
 def _check_meta(path: Path, settings: RegenSettings) -> None:
     mp = meta_path(path)
     want = asdict(settings)
@@ -159,12 +222,16 @@ def _check_meta(path: Path, settings: RegenSettings) -> None:
 
 def regenerate(target, tokenizer, records: Sequence[Mapping[str, Any]], out: str | os.PathLike, *,
                settings: RegenSettings, batch_size: int = 8,
-               log: Callable[[str], None] | None = None) -> dict:
-    """Answer every record not yet in the cache `out` and append them. Returns counts."""
+               log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None) -> dict:
+    """Answer every record not yet in the cache `out` and append them. Returns counts.
+    `on_write()` runs after each progress line and at the end (e.g. `archive_cache`)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
-        return _regenerate(target, tokenizer, records, out, settings, batch_size, log)
+        counts = _regenerate(target, tokenizer, records, out, settings, batch_size, log, on_write)
+        if on_write is not None:
+            on_write()
+        return counts
 
 
 @contextlib.contextmanager
@@ -181,7 +248,8 @@ def _exclusive(out: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log) -> dict:
+def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log,
+                on_write) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
     from dspark_jax.batcher import Batcher, Request, pow2
@@ -237,6 +305,8 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                     f"{counts['tokens']} tokens in {dt:.0f}s ({counts['tokens'] / dt:.1f} tok/s, "
                     f"{counts['written'] / dt:.3f} prompts/s), dropped {counts['dropped']}, "
                     f"ETA {dt / counts['written'] * left / 3600:.2f} h")
+                if on_write is not None:
+                    on_write()
     return counts
 
 

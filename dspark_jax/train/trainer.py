@@ -2,7 +2,8 @@
 
 - Optimizer: clip_by_global_norm(clip) then AdamW on a warmup + cosine schedule (defaults: peak lr
   5e-5, 4 % linear warmup, cosine to `min_lr_frac * lr`, clip 1.0, TorchSpec's AdamW moments
-  b1=0.9, b2=0.999, eps=1e-8, no weight decay).
+  b1=0.9, b2=0.999, eps=1e-8, no weight decay); `lr_schedule="constant"`: the same linear warmup,
+  then the peak lr to the end (min_lr_frac unused).
 - Precision: fp32 master weights and optimizer state; the forward/backward runs on a copy cast to
   `compute_dtype` (bf16 by default); softmaxes and loss sums in fp32.
 - Global batch = `global_batch` sequences per optimizer step, as `global_batch / micro_batch`
@@ -18,7 +19,12 @@
   one and continues exactly (anchor RNG = fold_in(seed, step, micro), data order from the saved
   position), truncating `metrics.jsonl` to the restored step.
 - Metrics: one stdout line per `log_every` steps (progress, s/step, ETA), `<run_dir>/metrics.jsonl`
-  and TensorBoard event files under `<run_dir>/tb` (tensorboardX).
+  and TensorBoard event files under `<run_dir>/tb` (tensorboardX; `train/*` per step, incl.
+  `train/sequences_seen`).
+- Held-out eval (`eval_every` > 0 and an evaluator, `monitor.HeldOutEval`): served tok/fwd of the
+  current weights at step 0 (or the restored step) and every `eval_every` steps, appended to
+  `<run_dir>/eval.jsonl` (truncated to the restored step on resume), TensorBoard `eval/*`, and
+  `<run_dir>/learning_curve.png` (tok/fwd vs sequences seen) redrawn after each eval.
 - Export: the draft in the torch layout (bf16, TorchSpec metadata) to `<run_dir>/export/step_N`
   at every checkpoint (older exports removed) and at the end.
 """
@@ -39,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig
@@ -69,6 +76,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     save_every: int = 100
+    lr_schedule: str = "cosine"            # "cosine" | "constant" (both after the linear warmup)
+    eval_every: int = 0                    # held-out served tok/fwd every N steps (0: off)
     keep_checkpoints: int = 2
     export: bool = True
     loss: loss_lib.LossConfig = loss_lib.LossConfig()
@@ -80,11 +89,19 @@ class TrainConfig:
         return self.global_batch // self.micro_batch
 
 
+LR_SCHEDULES = ("cosine", "constant")
+
+
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     warmup = max(1, math.ceil(cfg.warmup_frac * cfg.total_steps)) if cfg.warmup_frac > 0 else 0
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_frac)
+    if cfg.lr_schedule == "cosine":
+        base = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+            decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_frac)
+    elif cfg.lr_schedule == "constant":
+        base = optax.warmup_constant_schedule(init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup)
+    else:
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {cfg.lr_schedule!r}")
     # optimizer step n (0-based) uses the value at n + 1: the first update is not a zero-lr step
     schedule = lambda count: base(count + 1)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
@@ -410,9 +427,10 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
 
-def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict]:
+def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=None) -> list[dict]:
     """Train to `cfg.total_steps` (or `stop_after` more steps), resuming from the run dir's
-    latest checkpoint. Returns the metrics of the steps run by this call."""
+    latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
+    {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps."""
     cfg = trainer.cfg
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -429,6 +447,13 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
         from tensorboardX import SummaryWriter
         tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
     offline = not trainer.online
+    evals = None
+    if evaluator is not None and cfg.eval_every > 0 and lead:
+        from dspark_jax.train.monitor import EvalHistory
+        evals = EvalHistory(run_dir)
+        done = {r["step"] for r in evals.truncate(start)}
+        if start not in done:        # the curve's first point: the initial (or restored) weights
+            _evaluate(trainer, evaluator, evals, tb, start, None)
     history = []
     end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
     t_start, last_saved = time.time(), start
@@ -446,6 +471,7 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
                 for k, v in m.items():
                     if k != "step":
                         tb.add_scalar(f"train/{k.replace('@', '_at_')}", v, step + 1)
+                tb.add_scalar("train/sequences_seen", (step + 1) * cfg.global_batch, step + 1)
             if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                 done = step + 1 - start
                 eta = (time.time() - t_start) / done * (cfg.total_steps - step - 1)
@@ -454,6 +480,8 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
                             f"acc@1 {m['accept@1']:.3f} top1 {m['top1_acc']:.3f} agree {m['teacher_agreement']:.3f} "
                             f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {m['step_seconds']:.2f}s/step "
                             f"ETA {_fmt_eta(eta)}")
+            if evals is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.total_steps):
+                _evaluate(trainer, evaluator, evals, tb, step + 1, m.get("tau_probabilistic"))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps:
                 trainer.save({"data_position": source.position, "step": step + 1})
                 last_saved = step + 1
@@ -465,6 +493,24 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None) -> list[dict
     if last_saved != int(trainer.state.step):
         trainer.save({"data_position": source.position, "step": int(trainer.state.step)})
     return history
+
+
+def _evaluate(trainer: Trainer, evaluator, evals, tb, step: int, train_tau: float | None) -> None:
+    """One held-out eval of the current weights: a row in eval.jsonl, TensorBoard eval/*, the PNG."""
+    res = evaluator(trainer.draft())
+    row = {"step": step, "sequences_seen": step * trainer.cfg.global_batch, **res,
+           "train_tau": None if train_tau is None else float(train_tau)}
+    evals.append(row)
+    tb.add_scalar("eval/tok_per_fwd", res["tok_per_fwd"], step)
+    tb.add_scalar("eval/acceptance_rate", res["acceptance_rate"], step)
+    tb.add_scalar("eval/sequences_seen", row["sequences_seen"], step)
+    for k, p in enumerate(res.get("per_position_acceptance", ())):
+        tb.add_scalar(f"eval/accept_at_{k + 1}", p, step)
+    tb.flush()
+    png = evals.plot()
+    trainer.log(f"eval step {step} ({row['sequences_seen']} sequences seen): held-out tok/fwd "
+                f"{res['tok_per_fwd']:.3f} acceptance {res['acceptance_rate']:.3f} on {res.get('prompts', '?')} "
+                f"prompts ({res.get('eval_seconds', 0.0):.1f}s); curve {png}")
 
 
 def _export_latest(trainer: Trainer, run_dir: Path, step: int) -> None:

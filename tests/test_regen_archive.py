@@ -1,0 +1,61 @@
+"""The answer cache's committable archive: whole gzipped parts in cache order, restored on a
+fresh machine so answer generation resumes where the archive ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark_jax.train import regen
+
+
+def _write(cache, rows):
+    with open(cache, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _rows(lo, hi):
+    return [{"id": f"p{i}", "source": "s", "prompt_ids": [1, 2], "answer_ids": list(range(i % 7 + 14)),
+             "finish_reason": "stop", "kept": True, "answer_text": f"answer {i}"} for i in range(lo, hi)]
+
+
+def test_archive_then_restore_on_a_fresh_machine(tmp_path):
+    cache, archive = tmp_path / "a" / "regen.jsonl", tmp_path / "archive"
+    cache.parent.mkdir()
+    _write(cache, _rows(0, 7))
+    regen.meta_path(cache).write_text('{"target": "t"}\n')
+    assert regen.archive_cache(cache, archive, part_size=3) == 6          # two whole parts, 1 row left
+    parts = sorted(p.name for p in archive.glob("part-*"))
+    assert parts == ["part-00000.jsonl.gz", "part-00001.jsonl.gz"]
+    first = (archive / parts[0]).read_bytes()
+    _write(cache, _rows(7, 10))
+    assert regen.archive_cache(cache, archive, part_size=3) == 9
+    assert (archive / parts[0]).read_bytes() == first                     # parts are immutable
+
+    fresh = tmp_path / "b" / "regen.jsonl"
+    assert regen.restore_cache(archive, fresh) == 9
+    assert [r["id"] for r in regen.read_cache(fresh)] == [f"p{i}" for i in range(9)]
+    assert regen.read_cache(fresh) == regen.read_cache(cache)[:9]
+    assert regen.meta_path(fresh).read_text() == '{"target": "t"}\n'
+    assert regen.restore_cache(archive, fresh) == 0                       # already there: untouched
+
+
+def test_restore_keeps_answers_the_cache_already_has(tmp_path):
+    cache, archive = tmp_path / "regen.jsonl", tmp_path / "archive"
+    _write(cache, _rows(0, 4))
+    regen.archive_cache(cache, archive, part_size=2)
+    other = tmp_path / "other.jsonl"
+    _write(other, _rows(10, 12))                                           # answered elsewhere
+    assert regen.restore_cache(archive, other) == 4
+    assert [r["id"] for r in regen.read_cache(other)] == ["p0", "p1", "p2", "p3", "p10", "p11"]
+
+
+def test_an_archive_of_another_cache_is_refused(tmp_path):
+    a, b, archive = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "archive"
+    _write(a, _rows(0, 4))
+    regen.archive_cache(a, archive, part_size=2)
+    _write(b, _rows(4, 8))
+    with pytest.raises(ValueError, match="part-00000.jsonl.gz: its answers are not rows 0..1"):
+        regen.archive_cache(b, archive, part_size=2)

@@ -1,0 +1,92 @@
+"""The engine's serving layout (fused [in, out] projections, `LlamaModel.serving_weights`) and
+the one-gather pool read change no greedy output: every program (prefill, one-token step, verify,
+the draft's block pass that follows) gives the tokens the declared-layout engine gives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.cache import PagedPool
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from tests.gen_utils import prompts, tiny_draft, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0)
+    return target, tiny_draft(target, 1)
+
+
+def _run(engine, ps, max_new_tokens=16, max_len=96):
+    batcher = Batcher(engine, len(ps), max_len)
+    reqs = batcher.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(ps)])
+    return [r.tokens for r in reqs]
+
+
+def _greedy_reference(target, prompt, n):
+    """The target's own greedy continuation, cacheless."""
+    toks = list(prompt)
+    for _ in range(n):
+        logits = target.forward(jnp.asarray([toks], jnp.int32)).logits
+        toks.append(int(jnp.argmax(logits[0, -1])))
+    return toks[len(prompt):]
+
+
+@pytest.mark.parametrize("t", [0, 7])
+def test_serving_layout_greedy_equal(pair, t):
+    target, draft = pair
+    cfg = EngineConfig(num_speculative_tokens=t, page_size=8)
+    d = draft if t else None
+    fast = Engine(target, d, cfg, serving_layout=True)
+    slow = Engine(target, d, cfg, serving_layout=False)
+    assert fast.serving is not None and slow.serving is None
+    ps = prompts(6, target.cfg.vocab_size, seed=3)
+    out_fast, out_slow = _run(fast, ps), _run(slow, ps)
+    assert out_fast == out_slow
+    for p, o in zip(ps[:2], out_fast[:2]):
+        assert o == _greedy_reference(target, p, len(o))
+
+
+def test_serving_layout_step_logits_close(pair):
+    """The verify program's logits with and without the serving layout (same math, other GEMMs)."""
+    target, draft = pair
+    cfg = EngineConfig(num_speculative_tokens=7, page_size=8)
+    b, ctx, max_len = 2, 20, 64
+    x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), ctx, jnp.int32)
+    drafts = jnp.arange(1, 8, dtype=jnp.int32)[None].repeat(b, 0)
+    outs = []
+    for flag in (True, False):
+        eng = Engine(target, draft, cfg, serving_layout=flag)
+        caches = eng.new_caches(b, max_len)
+        tokens = jnp.asarray(np.arange(1, ctx + 1) % 90 + 1, jnp.int32)[None].repeat(b, 0)
+        _, caches = eng.prefill(tokens, lens, jnp.arange(b), caches, jax.random.PRNGKey(0))
+        n, emitted, _ = eng.step(x0, lens, jnp.ones((b,), bool), jnp.int32(max_len), caches,
+                                 jax.random.PRNGKey(0), drafts_BT=drafts)
+        outs.append((np.asarray(n), np.asarray(emitted)))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_serving_weights_layout(pair):
+    target, _ = pair
+    w = target.serving_weights()
+    a, m = target.model.layers[0].self_attn, target.model.layers[0].mlp
+    np.testing.assert_array_equal(np.asarray(w["layers"][0]["qkv"]).T[:a.q_proj.weight.get_value().shape[0]],
+                                  np.asarray(a.q_proj.weight.get_value()))
+    np.testing.assert_array_equal(np.asarray(w["layers"][0]["down"]).T, np.asarray(m.down_proj.weight.get_value()))
+    np.testing.assert_array_equal(np.asarray(w["head"]).T, np.asarray(target.model.embed_tokens.weight.get_value()))
+
+
+def test_pool_read_is_the_tables_pages():
+    rng = np.random.default_rng(0)
+    table = rng.permutation(12).astype(np.int32).reshape(3, 4)
+    pool = PagedPool.create(2, 3, 16, 4, 6, jnp.float32, block_table=table)
+    pool = pool._replace(pages=jnp.asarray(rng.standard_normal(pool.pages.shape), jnp.float32))
+    for row in (0, 1):
+        want = np.asarray(pool.pages)[row][table].reshape(3, 16, 6)[..., :5]
+        np.testing.assert_array_equal(np.asarray(pool.read(row, jnp.float32, 5)), want)

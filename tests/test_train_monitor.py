@@ -1,0 +1,281 @@
+"""Warm start (issue 17 item 3) and training schedule/monitoring (item 5): tiny models, seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import params as params_lib
+from dspark_jax.checkpoint.safetensors_io import save_arrays
+from dspark_jax.config import DraftConfig
+from dspark_jax.generate import generate
+from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.train import loss as L
+from dspark_jax.train import monitor
+from dspark_jax.train import trainer as T
+from dspark_jax.train.regen import Sample
+from dspark_jax.train.warm_start import WarmStartError, plan, warm_start
+from tests.gen_utils import randomize, tiny_draft, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True, eos_token_id=None, rms_norm_eps=1e-5)   # = tiny_llama(0)'s config
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0)
+    return target, tiny_draft(target, seed=1)
+
+
+@pytest.fixture(scope="module")
+def samples(pair):
+    target, _ = pair
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(0, 90, int(rng.integers(6, 14)))] for _ in range(8)]
+    res = generate(target, None, prompts, max_new_tokens=24)
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, res.outputs)):
+        ids = np.asarray(p + o.token_ids, np.int32)
+        mask = np.zeros(len(ids), bool)
+        mask[len(p):] = True
+        out.append(Sample(f"s{i}", ids, mask))
+    return out
+
+
+def _flat(model) -> dict[str, np.ndarray]:
+    return {n: np.array(p.get_value()) for n, p in params_lib.flat_params(model).items()}
+
+
+def _fresh_draft(target, seed=1, **overrides) -> K3DSparkModel:
+    base = tiny_draft(target, seed=seed)
+    cfg = DraftConfig.from_dict(dict(base.cfg.raw, **overrides)) if overrides else base.cfg
+    draft = K3DSparkModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    randomize(draft, seed)
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# warm start
+
+
+def test_warm_start_maps_each_tensor_from_its_source_and_leaves_the_rest(pair):
+    target, _ = pair
+    draft = _fresh_draft(target)             # 2 draft layers, target has 3: layers 1, 2 -> 0, 1
+    before, tgt = _flat(draft), _flat(target)
+    out = warm_start(draft, target)
+    assert out is draft
+    after = _flat(draft)
+    want_from_target = {}
+    for j, i in ((0, 1), (1, 2)):
+        for t in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                  "input_layernorm.weight", "post_attention_layernorm.weight"):
+            want_from_target[f"layers.{j}.{t}"] = f"model.layers.{i}.{t}"
+    want_from_target["final_norm.weight"] = "model.norm.weight"
+    for dst, src in want_from_target.items():
+        np.testing.assert_array_equal(after[dst], tgt[src], err_msg=dst)
+        assert not np.array_equal(before[dst], after[dst]), dst       # it really changed
+    # context_proj [H, n_aux * H_t]: identity on the last aux layer's block, zero elsewhere
+    h, h_t = draft.cfg.hidden_size, draft.cfg.target_hidden_size
+    w = after["context_proj.weight"]
+    assert w.shape == (h, 2 * h_t)
+    np.testing.assert_array_equal(w[:, h_t:], np.eye(h, h_t, dtype=np.float32))
+    np.testing.assert_array_equal(w[:, :h_t], 0.0)
+    np.testing.assert_array_equal(after["markov_head.markov_w2.weight"], 0.0)
+    np.testing.assert_array_equal(after["confidence_head.proj.weight"], 0.0)
+    np.testing.assert_array_equal(after["confidence_head.proj.bias"], 0.0)       # sigmoid(0) = 0.5
+    changed = set(want_from_target) | {"context_proj.weight", "markov_head.markov_w2.weight",
+                                       "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert {a.name for a in plan(draft, target)} == changed
+    untouched = set(before) - changed
+    assert any(n.startswith("layers.0.self_attn.") for n in untouched)          # attention stays random
+    assert {"markov_head.markov_w1.weight", "context_norm.weight"} <= untouched
+    for n in untouched:
+        np.testing.assert_array_equal(after[n], before[n], err_msg=n)
+    # the warm-started draft: zero Markov bias, neutral confidence 0.5 everywhere
+    prev = jnp.arange(6).reshape(1, 6)
+    np.testing.assert_array_equal(np.asarray(draft.markov_bias(prev)), 0.0)
+    hid = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, h)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(draft.confidence(hid, prev)), 0.5)
+
+
+def test_warm_start_skips_mismatched_shapes_and_checks_its_arguments(pair):
+    target, _ = pair
+    draft = _fresh_draft(target, intermediate_size=48)        # target MLP is 64 wide: not copied
+    before, tgt = _flat(draft), _flat(target)
+    warm_start(draft, target, context_scale=0.5, confidence_prior=0.8)
+    after = _flat(draft)
+    for t in ("gate_proj", "up_proj", "down_proj"):
+        np.testing.assert_array_equal(after[f"layers.1.mlp.{t}.weight"], before[f"layers.1.mlp.{t}.weight"])
+    np.testing.assert_array_equal(after["layers.1.input_layernorm.weight"], tgt["model.layers.2.input_layernorm.weight"])
+    np.testing.assert_array_equal(after["context_proj.weight"][:, 32:], 0.5 * np.eye(32, dtype=np.float32))
+    np.testing.assert_allclose(after["confidence_head.proj.bias"], np.log(0.8 / 0.2), rtol=1e-6)
+    with pytest.raises(WarmStartError, match="confidence_prior"):
+        plan(draft, target, confidence_prior=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules
+
+
+def test_constant_schedule_warms_up_then_holds_and_cosine_is_unchanged(tmp_path):
+    base = dict(run_dir=str(tmp_path), total_steps=100, lr=1e-3, warmup_frac=0.1, min_lr_frac=0.1)
+    _, const = T.make_optimizer(T.TrainConfig(**base, lr_schedule="constant"))
+    _, cos = T.make_optimizer(T.TrainConfig(**base))
+    # step n uses the value at n + 1: warmup of 10 steps reaches the peak at step 9
+    np.testing.assert_allclose([float(const(n)) for n in (0, 4, 9)], [1e-4, 5e-4, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose([float(const(n)) for n in (10, 50, 99, 500)], 1e-3, rtol=1e-6)
+    for n in (0, 4, 9):
+        assert float(cos(n)) == pytest.approx(float(const(n)), rel=1e-6)
+    assert float(cos(99)) == pytest.approx(1e-4, rel=1e-4)                   # cosine to min_lr_frac * lr
+    assert 1e-4 < float(cos(50)) < 1e-3
+    with pytest.raises(ValueError, match="lr_schedule"):
+        T.make_optimizer(T.TrainConfig(**base, lr_schedule="linear"))
+
+
+# ---------------------------------------------------------------------------------------------
+# held-out eval: history, TensorBoard, PNG, resume
+
+
+def _tb_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every tensorboardX event file under tb_dir (TFRecord framing, no tensorboard)."""
+    from tensorboardX.proto import event_pb2
+    out: dict[str, list] = {}
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
+
+
+def _is_png(path: Path) -> bool:
+    from PIL import Image
+    if path.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        return False
+    with Image.open(path) as im:
+        im.verify()
+    return True
+
+
+def test_heldout_eval_measures_the_weights_it_is_given(pair, samples):
+    """One evaluator (one engine, compiled once) over different drafts: each result equals a fresh
+    generate() with that draft, so a stale swapped-in state would show."""
+    target, draft = pair
+    prompts = [s.input_ids[:int(np.argmax(s.loss_mask))].tolist() for s in samples[:2]]
+    other = tiny_draft(target, seed=3)
+    ev = monitor.HeldOutEval(target, prompts, max_new_tokens=8)
+    got = [ev(d)["tok_per_fwd"] for d in (draft, other, draft)]
+    want = [generate(target, d, prompts, max_new_tokens=8).stats["average_tokens_per_forward"] for d in (draft, other)]
+    assert want[0] != want[1]                         # the two drafts are distinguishable here
+    assert got == pytest.approx([want[0], want[1], want[0]], abs=1e-12)
+
+
+def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, samples, tmp_path):
+    target, draft = pair
+    prompts = [s.input_ids[:int(np.argmax(s.loss_mask))].tolist() for s in samples[:2]]
+    run_dir = tmp_path / "run"
+    cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=3, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
+                        compute_dtype="float32", save_every=1000, export=False, eval_every=1,
+                        lr_schedule="constant", loss=L.LossConfig(num_anchors=16))
+    ev = monitor.HeldOutEval(target, prompts, max_new_tokens=8)
+    tr = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
+    T.run(tr, T.SampleSource(samples, 0), stop_after=2, evaluator=ev)
+    rows = monitor.EvalHistory(run_dir).rows()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["sequences_seen"] for r in rows] == [0, 4, 8]
+    assert rows[0]["train_tau"] is None and rows[1]["train_tau"] > 1.0
+    assert all(1.0 <= r["tok_per_fwd"] <= 8.0 and r["prompts"] == 2 for r in rows)
+    # the eval measures the weights of its step: a fresh generate() with the step-2 draft agrees,
+    # as does the step-0 row with the initial draft (the engine's swapped state is live)
+    want2 = generate(target, tr.draft(), prompts, max_new_tokens=8).stats["average_tokens_per_forward"]
+    want0 = generate(target, draft, prompts, max_new_tokens=8).stats["average_tokens_per_forward"]
+    assert rows[2]["tok_per_fwd"] == pytest.approx(want2, abs=1e-9)
+    assert rows[0]["tok_per_fwd"] == pytest.approx(want0, abs=1e-9)
+    png = run_dir / monitor.CURVE_FILE
+    assert _is_png(png)
+    first_png = png.read_bytes()
+    # a torn last line (killed mid-write) and a row past the checkpoint (step 2 is the checkpoint)
+    with open(run_dir / monitor.EVAL_FILE, "a") as f:
+        f.write(json.dumps(dict(rows[-1], step=5)) + "\n" + '{"step": 6, "tok_')
+
+    # resume: a new trainer restores step 2 and continues the same history and curve
+    tr2 = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
+    T.run(tr2, T.SampleSource(samples, 0), evaluator=monitor.HeldOutEval(target, prompts, max_new_tokens=8))
+    rows2 = monitor.EvalHistory(run_dir).rows()
+    assert [r["step"] for r in rows2] == [0, 1, 2, 3]
+    assert rows2[:3] == rows
+    assert _is_png(png) and png.read_bytes() != first_png
+    tb = _tb_scalars(run_dir / "tb")
+    assert sorted(s for s, _ in tb["eval/tok_per_fwd"]) == [0, 1, 2, 3]
+    assert dict(tb["eval/tok_per_fwd"])[3] == pytest.approx(rows2[3]["tok_per_fwd"], rel=1e-6)
+    assert sorted(tb["train/sequences_seen"]) == [(1, 4.0), (2, 8.0), (3, 12.0)]
+    assert "eval/accept_at_1" in tb and "train/lr" in tb
+
+
+# ---------------------------------------------------------------------------------------------
+# the program: flags
+
+
+def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_path):
+    target, draft = pair
+    tdir = tmp_path / "target"
+    tdir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_arrays(tdir / "model.safetensors", {k: np.asarray(v.get_value()) for k, v in params_lib.flat_params(target).items()})
+    (tmp_path / "draft.json").write_text(json.dumps(dict(draft.cfg.raw)))
+    with open(tmp_path / "regen.jsonl", "w") as f:
+        for s in samples:
+            n = int(np.argmax(s.loss_mask))
+            f.write(json.dumps({"id": s.id, "source": "t", "prompt_ids": s.input_ids[:n].tolist(),
+                                "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
+                                "answer_text": ""}) + "\n")
+    with open(tmp_path / "heldout.jsonl", "w") as f:
+        for s in samples[:2]:
+            f.write(json.dumps({"prompt_ids": s.input_ids[:int(np.argmax(s.loss_mask))].tolist()}) + "\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.distill", f"--target={tdir}", f"--data={tmp_path / 'regen.jsonl'}",
+           f"--draft_config={tmp_path / 'draft.json'}", f"--run_dir={run_dir}", "--total_steps=2",
+           "--global_batch=4", "--micro_batch=2", "--max_len=48", "--num_anchors=16", "--save_every=100",
+           "--compute_dtype=float32", "--lr=1e-3", "--warm_start", "--lr_schedule=constant", "--eval_every=2",
+           f"--eval_prompts_file={tmp_path / 'heldout.jsonl'}", "--eval_max_new_tokens=8"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "warm start: 11 tensors copied from the target" in res.stdout
+    assert "held-out eval every 2 steps: 2 prompts" in res.stdout
+    rows = monitor.EvalHistory(run_dir).rows()
+    assert [r["step"] for r in rows] == [0, 2]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3, 1e-3])          # warmup of 1 step, then constant
+    flags = json.loads((run_dir / "flags.json").read_text())
+    assert flags["warm_start"] is True and flags["lr_schedule"] == "constant" and flags["eval_every"] == 2
+    assert _is_png(run_dir / monitor.CURVE_FILE)
+    bad = subprocess.run(cmd + [f"--init_from={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "cannot be combined with --init_from" in bad.stderr
+
+
+def test_gsm8k_heldout_prompts_are_outside_the_benchmark_prompts():
+    from dspark_jax.data.benchmarks import load_gsm8k
+    got = monitor.gsm8k_heldout_prompts(3)
+    every = [it.conversation() for it in load_gsm8k()]
+    assert got == every[60:63]
+    assert not any(p in every[:60] for p in got)
+    with pytest.raises(ValueError, match=">= 60"):
+        monitor.gsm8k_heldout_prompts(3, start=10)
