@@ -44,7 +44,8 @@ from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_r
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
-from dspark_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
+from dspark_jax.layers.kda import kda_gate, l2_normalize
 
 _ITERS = flags.DEFINE_integer("iters", 10, "timed calls per function (after a compile/warm-up call)")
 _TUNE = flags.DEFINE_boolean("tune", False, "also time alternative tile settings of each kernel")

@@ -16,7 +16,7 @@ What is measured: GSM8K test questions (the first --num_prompts), rendered once 
 chat template into token ids by our tokenizer; every system gets those ids (so the prompts are the
 same to the token), T=0, batch 1, at most --max_new_tokens new tokens, stopping at EOS. A run is
 one prompt's whole generation, timed end to end (prefill included): tokens/s = generated tokens
-(EOS included) / wall seconds of the calls. Every system is warmed up once on a short generation;
+(EOS included) / wall seconds of the calls. Every system is warmed up once on the first prompt;
 then --rounds rounds, each going prompt by prompt through every system (the order of the systems
 rotates by one per round), so drifts in the machine's load hit all systems alike. A JAX run that
 compiled anything (counted through jax.monitoring) is discarded and repeated at once. Per system
@@ -46,8 +46,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from absl import app, flags
 
@@ -71,8 +72,9 @@ _LOOKUP = flags.DEFINE_integer("llamacpp_lookup_tokens", 10, "llama.cpp prompt-l
                                lower_bound=1)
 _THREADS = flags.DEFINE_integer("threads", None, "torch and llama.cpp threads (default: the CPUs this "
                                 "process may use); XLA:CPU sizes its own pool")
-_WARMUP = flags.DEFINE_integer("warmup_tokens", 16, "new tokens of each system's untimed warm-up run",
-                               lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup_tokens", None, "new tokens of each system's untimed warm-up run on the "
+                               "first prompt (default: the system's max tokens, so the shapes the timed runs "
+                               "use are mostly compiled already)", lower_bound=1)
 _BF16_N = flags.DEFINE_integer("bf16_num_prompts", None, "bf16 systems run only the first N prompts (default: "
                                "all; bf16 matmuls are several times slower on CPUs without AMX/AVX512-BF16)",
                                lower_bound=1)
@@ -106,6 +108,7 @@ class System:
     reference: str | None = None  # key of the system whose outputs this one is compared with
     num_prompts: int | None = None     # only the first N prompts (None: all)
     max_new_tokens: int | None = None  # its own limit (None: measure()'s)
+    own_plain: str | None = None       # a speculative system: the key of the same engine's plain decoding
 
 
 @dataclasses.dataclass
@@ -119,16 +122,17 @@ class Record:
 
 
 def measure(systems: Sequence[System], prompts: Sequence[list[int]], max_new_tokens: int, rounds: int, *,
-            warmup_tokens: int = 16, max_repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+            warmup_tokens: int | None = None, max_repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
             pause: float = 0.05, log: Callable[[str], None] = print) -> list[Record]:
-    """Warm every runnable system up on prompts[0], then `rounds` rounds: prompt by prompt, every
+    """Warm every runnable system up on prompts[0] (`warmup_tokens` new tokens; None: its full
+    limit), then `rounds` rounds: prompt by prompt, every
     system in turn, the systems' order rotated by one each round. A run during which the system
     compiled is discarded and repeated (at most `max_repeats` times)."""
     live = [s for s in systems if s.unavailable is None]
     new = {s.key: s.max_new_tokens or max_new_tokens for s in live}
     for s in live:
         t0 = clock()
-        s.run(list(prompts[0]), min(warmup_tokens, new[s.key]))
+        s.run(list(prompts[0]), min(warmup_tokens or new[s.key], new[s.key]))
         log(f"  warm-up {s.key}: {clock() - t0:.1f} s")
     records = []
     for r in range(rounds):
@@ -192,7 +196,8 @@ def summarize(systems: Sequence[System], records: Sequence[Record], baseline: st
                    repeated_compiling_runs=sum(r.repeats for recs in per.values() for r in recs),
                    deterministic=all(r.tokens == recs[0].tokens for recs in per.values() for r in recs),
                    seconds_per_prompt=[[r.seconds for r in per[p]] for p in sorted(per)],
-                   tokens_per_prompt=[len(t) for t in tokens.values()])
+                   tokens_per_prompt=[len(t) for t in tokens.values()],
+                   output_token_ids=[tokens[p] for p in sorted(tokens)])
         if s.stats is not None:
             row.update(s.stats())
         row["_tokens"] = tokens
@@ -224,6 +229,11 @@ def summarize(systems: Sequence[System], records: Sequence[Record], baseline: st
                                        if mine[p] != theirs[p]}
             row["matching_prefix_tokens"] = sum(_common_prefix(mine[p], theirs[p]) for p in common)
             row["reference_tokens"] = sum(len(theirs[p]) for p in common)
+        own = index.get(s.own_plain) if s.own_plain else None
+        if own is not None and "unavailable" not in own:
+            common = [p for p in row["_tokens"] if p in own["_tokens"]]
+            row["own_plain"] = s.own_plain
+            row["identical_to_own_plain"] = sum(row["_tokens"][p] == own["_tokens"][p] for p in common)
     for row in rows:
         row.pop("_tokens", None)
     return rows
@@ -231,12 +241,12 @@ def summarize(systems: Sequence[System], records: Sequence[Record], baseline: st
 
 def markdown_table(rows: Sequence[dict[str, Any]], baseline_label: str) -> str:
     head = (f"| system | dtype | prompts x max tokens | tok/s (best) | tok/s (median) | vs {baseline_label} | "
-            "vs ours plain, same dtype | tok/fwd | identical to ours plain |")
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---|"]
+            "vs ours plain, same dtype | tok/fwd | identical to ours plain | identical to its own plain |")
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         dtype = DTYPE_SHORT.get(r["dtype"], r["dtype"])
         if "unavailable" in r:
-            lines.append(f"| {r['label']} | {dtype} | | unavailable: {r['unavailable']} | | | | | |")
+            lines.append(f"| {r['label']} | {dtype} | | unavailable: {r['unavailable']} | | | | | | |")
             continue
         ratio = f"{r['ratio_vs_baseline_best']:.2f}x" if "ratio_vs_baseline_best" in r else "n/a"
         ratio_dt = f"{r['ratio_vs_ours_plain_same_dtype_best']:.2f}x" \
@@ -251,9 +261,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], baseline_label: str) -> str:
                 same += f" vs {DTYPE_SHORT.get(r['reference'].split(':')[-1], r['reference'])}"
         else:
             same = "(reference)" if r["system"].startswith("ours_plain") else ""
+        own = f"{r['identical_to_own_plain']}/{r['prompts']}" if "identical_to_own_plain" in r else ""
         lines.append(f"| {r['label']} | {dtype} | {r['prompts']} x {r['max_new_tokens']} | "
                      f"{r['tokens_per_s_best']:.1f} | {r['tokens_per_s_median']:.1f} | {ratio} | {ratio_dt} | "
-                     f"{tpf} | {same} |")
+                     f"{tpf} | {same} | {own} |")
     return "\n".join(lines)
 
 
@@ -266,7 +277,7 @@ def cpu_info() -> dict[str, Any]:
         pass
     try:
         text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
         info["model"] = model.group(1).strip() if model else None
         info["bf16_flags"] = sorted(set(re.findall(r"\b(amx[a-z_0-9]*|avx512_bf16)\b", text)))
         info["avx512"] = bool(re.search(r"\bavx512f\b", text))
@@ -334,7 +345,8 @@ def ours_systems(model: str, draft_spec: str, dtypes: Sequence[str], wanted: set
             stats: dict[tuple, dict] = {}
             out.append(System(f"ours_spec:{dt}", f"ours, speculative (T={t})", dt,
                               _ours_run(generate, target, draft, t, tokenizer, stats), counter,
-                              stats=lambda stats=stats: _spec_stats(stats), reference=f"ours_plain:{dt}"))
+                              stats=lambda stats=stats: _spec_stats(stats), reference=f"ours_plain:{dt}",
+                              own_plain=f"ours_plain:{dt}"))
     return out
 
 
@@ -371,7 +383,7 @@ def hf_systems(model_dir: Path, dtypes: Sequence[str], wanted: set[str], pld: in
             model_dir, dtype=getattr(torch, dt), local_files_only=True).eval()
         for k in keys:
             out.append(System(f"{k}:{dt}", labels[k], dt, _hf_run(torch, model, eos, pld if k == "hf_pld" else None),
-                              reference=f"ours_plain:{dt}"))
+                              reference=f"ours_plain:{dt}", own_plain=f"hf_greedy:{dt}" if k == "hf_pld" else None))
     return out
 
 
@@ -410,7 +422,8 @@ def llamacpp_systems(gguf: Path | None, wanted: set[str], lookup: int, eos: Sequ
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                               n_threads_batch=threads, seed=0, verbose=False, draft_model=draft)
         out.append(System(k, labels[k] + f" [llama-cpp-python {llama_cpp.__version__}]", "gguf",
-                          _llamacpp_run(llm, set(eos)), reference="ours_plain:float32"))
+                          _llamacpp_run(llm, set(eos)), reference="ours_plain:float32",
+                          own_plain="llamacpp_plain" if draft is not None else None))
     return out
 
 
@@ -483,9 +496,12 @@ def main(argv):
     info["threads"] = _thread_settings(threads, systems)
     print(describe_cpu(info), flush=True)
 
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     records = measure(systems, prompts, _NEW.value, _ROUNDS.value, warmup_tokens=_WARMUP.value)
     wall = time.perf_counter() - t0
+    # other jobs on the machine: a load above the CPU count means the systems shared the CPUs
+    info["load_average_1_5_15"] = {"before": [round(x, 2) for x in load0],
+                                   "after": [round(x, 2) for x in os.getloadavg()]}
     baseline = "ours_plain:float32" if "ours_plain:float32" in {s.key for s in systems} else \
         next((s.key for s in systems if s.unavailable is None), None)
     rows = summarize(systems, records, baseline, _NEW.value)
@@ -502,7 +518,9 @@ def main(argv):
     print(markdown_table(rows, base_label))
     if bad:
         print(f"\nWARNING: speculative output differs from plain output (same dtype) for {', '.join(bad)}")
-    print(f"\nmeasured in {wall:.0f} s", flush=True)
+    la = info["load_average_1_5_15"]
+    print(f"\nmeasured in {wall:.0f} s; load average (1/5/15 min) before {la['before']}, after {la['after']} "
+          f"on {info.get('cpus_usable', info['cpus'])} CPUs", flush=True)
 
     if _JSON.value:
         result = {"benchmark": "peers", "prompts": {"set": "gsm8k test", "count": len(prompts),

@@ -52,7 +52,7 @@ _REPS = flags.DEFINE_integer("reps", 15, "timed calls of each program (median)")
 _TRACE_REPS = flags.DEFINE_integer("trace_reps", 5, "calls of each program recorded in the trace")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: a temp dir)")
-_VARIANTS = flags.DEFINE_string("variants", "serving", "comma-separated engine variants, timed interleaved in "
+_VARIANTS = flags.DEFINE_string("variants", "declared", "comma-separated engine variants, timed interleaved in "
                                 "one process: 'declared' (the params as declared, [out, in], one GEMM per "
                                 "weight), 'serving' (Engine's serving layout: fused q|k|v and gate|up, [in, out])")
 

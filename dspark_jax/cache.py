@@ -90,9 +90,7 @@ class PagedPool(NamedTuple):
 
     def read(self, row: int | jax.Array, dtype, width: int | None = None) -> jax.Array:
         """Every sequence's rows in logical order: `[B, max_len, width]` (position i at index i)."""
-        # one gather of the table's pages of this row (indexing `pages[row]` first would copy the
-        # whole row, every page of every sequence, before gathering: a pool-sized copy per layer)
-        rows = self.pages[row, self.block_table]            # [B, pages_per_seq, page_size, W]
+        rows = self.pages[row][self.block_table]            # [B, pages_per_seq, page_size, W]
         b, n, ps, w = rows.shape
         rows = rows.reshape(b, n * ps, w)[..., :width or w]
         if self.pages.dtype == FP8:

@@ -49,7 +49,7 @@ class Engine:
     none. `draft=None` with T > 0 verifies drafts given to `step` (an external proposer)."""
 
     def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, temperature: float = 0.0,
-                 top_p: float = 1.0, serving_layout: bool = True):
+                 top_p: float = 1.0, serving_layout: bool = False):
         self.target, self.draft, self.config = target, draft, config
         self.t = config.num_speculative_tokens
         self.temperature, self.top_p = sampling_key(temperature, top_p)
@@ -71,9 +71,11 @@ class Engine:
             self.d_state = cast_floating(self.d_state, self.compute_dtype)
         sharding = jax.tree.leaves(self.t_state)[0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        # the target's weights in the layout XLA:CPU's GEMMs run best (fused q|k|v and gate|up,
-        # [in, out]; docs/profile.md), built once here, passed to every program beside the
-        # declared params; families without it (or a sharded engine) use the params as declared
+        # `serving_layout`: the target's weights also as fused q|k|v and gate|up, [in, out] copies
+        # (`serving_weights`), built once here and passed to every program beside the declared
+        # params. Off by default: on the 2-core CPU it measured neutral at batch 1 (docs/profile.md)
+        # and it doubles the target's weight memory. Families without it, or a sharded engine,
+        # always use the params as declared.
         self.serving = None
         if serving_layout and self.mesh is None and hasattr(target, "serving_weights") \
                 and jax.default_backend() == "cpu":
@@ -168,13 +170,14 @@ class Engine:
         table = span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
         sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
         last_P = jnp.maximum(lens_P - 1, 0)
-        if serving is None:
-            out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False)
-            last = jnp.take_along_axis(out.logits, last_P[:, None, None], axis=1)[:, 0]
-        else:   # serving layout: the lm_head runs on the last prompt row alone, not on all S rows
+        if target.logits_rows_supported:   # the lm_head on the last prompt row alone, not on all S rows
             out, sub, _ = steps.target_forward(_WithWeights(target, serving, logits_rows_BR=last_P[:, None]),
                                                tokens_PS, positions, valid, sub, self.aux_ids, verify=False)
             last = out.logits[:, 0]
+        else:
+            out, sub, _ = steps.target_forward(with_weights(target, serving), tokens_PS, positions, valid, sub,
+                                               self.aux_ids, verify=False)
+            last = jnp.take_along_axis(out.logits, last_P[:, None, None], axis=1)[:, 0]
         first = sample_tokens(last, temperature, top_p, key)
         pool = sub.pool
         if draft is not None:
@@ -252,14 +255,16 @@ class Engine:
 
 
 class _WithWeights:
-    """A target whose cached forward uses its serving weights (`serving_weights()`): what
-    `steps.target_forward` calls inside a program."""
+    """A target whose cached forward gets its serving weights (`serving_weights()`, when not None)
+    and any extra keywords (`logits_rows_BR`): what `steps.target_forward` calls inside a program."""
 
     def __init__(self, target, weights, **extra):
         self.target, self.weights, self.extra = target, weights, extra
 
     def forward_cached(self, *args, **kw):
-        return self.target.forward_cached(*args, weights=self.weights, **self.extra, **kw)
+        if self.weights is not None:
+            kw["weights"] = self.weights
+        return self.target.forward_cached(*args, **self.extra, **kw)
 
 
 def with_weights(target, weights):

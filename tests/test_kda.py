@@ -128,7 +128,7 @@ def test_matches_transformers_kimi_linear():
         _load_into_transformers(layer, ref, a_log="hf")
         x = inputs(2, 150, dtype=jnp.float64)   # > 2 chunks of the default 64, T not a multiple of it
         with torch.no_grad(), TorchFloat64():
-            want = ref(torch.from_numpy(np.asarray(x)))
+            want = ref(torch.from_numpy(np.array(x)))
         assert_close(run(layer, x, chunk_size=64)[0], want, "chunked(64) vs transformers")
         assert_close(run(layer, x, mode="recurrent")[0], want, "recurrent vs transformers")
 
@@ -157,7 +157,7 @@ def test_bounded_gate_matches_transformers_glm5_next():
         assert layer.A_log.get_value().shape == (128,)           # K3 layout: zero-padded to 128
         _load_into_transformers(layer, ref, a_log="unpadded")
         x = inputs(2, 150, dtype=jnp.float64)
-        xt = torch.from_numpy(np.asarray(x))
+        xt = torch.from_numpy(np.array(x))
         with torch.no_grad(), TorchFloat64():
             g_ref = ref.forget_gate(xt)
             want = ref(xt)

@@ -20,8 +20,10 @@ from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_m
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
-from dspark_jax.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
-from dspark_jax.layers.mla import causal_mask, mla_attend_absorbed, mla_attend_expanded, split_kv_b
+from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
+from dspark_jax.layers.kda import kda_gate, l2_normalize
+from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
+from dspark_jax.layers.mla import causal_mask, split_kv_b
 
 # f32 compute: kernel and reference differ only in summation order / online-softmax rescaling,
 # ~1e-7 relative on O(1) outputs; 2e-5 leaves room without hiding a wrong mask (which moves

@@ -132,8 +132,8 @@ def test_tiny_k3_runs_and_aux_is_layer_output():
     positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
     mask = jnp.tril(jnp.ones((24, 24), bool))[None]
 
-    def attention(layer, x):
-        return layer.self_attn(x, positions, mask) if layer.is_mla else layer.self_attn(x)[0]
+    def attention(idx, attn, x):
+        return attn(x, positions, mask) if model.cfg.is_mla(idx) else attn(x)[0]
 
     @jax.jit
     def layer_outputs(model, ids):

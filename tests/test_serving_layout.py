@@ -1,6 +1,7 @@
-"""The engine's serving layout (fused [in, out] projections, `LlamaModel.serving_weights`) and
-the one-gather pool read change no greedy output: every program (prefill, one-token step, verify,
-the draft's block pass that follows) gives the tokens the declared-layout engine gives."""
+"""The engine's serving layout (fused [in, out] projections, `LlamaModel.serving_weights`) and the
+prefill's last-row-only logits change no greedy output: every program (prefill, one-token step,
+verify, the draft's block pass that follows) gives the tokens the declared-layout engine and the
+target's own cacheless greedy decoding give."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 
 from dspark_jax.batcher import Batcher, Request
-from dspark_jax.cache import PagedPool
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
@@ -82,11 +82,17 @@ def test_serving_weights_layout(pair):
     np.testing.assert_array_equal(np.asarray(w["head"]).T, np.asarray(target.model.embed_tokens.weight.get_value()))
 
 
-def test_pool_read_is_the_tables_pages():
-    rng = np.random.default_rng(0)
-    table = rng.permutation(12).astype(np.int32).reshape(3, 4)
-    pool = PagedPool.create(2, 3, 16, 4, 6, jnp.float32, block_table=table)
-    pool = pool._replace(pages=jnp.asarray(rng.standard_normal(pool.pages.shape), jnp.float32))
-    for row in (0, 1):
-        want = np.asarray(pool.pages)[row][table].reshape(3, 16, 6)[..., :5]
-        np.testing.assert_array_equal(np.asarray(pool.read(row, jnp.float32, 5)), want)
+def test_prefill_logits_rows_equal_full(pair):
+    """The prefill computes the lm_head on the last prompt row only: same first token as the full
+    logits' row, for the declared and the serving layout."""
+    target, draft = pair
+    cfg = EngineConfig(num_speculative_tokens=7, page_size=8)
+    ps = prompts(4, target.cfg.vocab_size, seed=5, hi=20)
+    s = max(len(p) for p in ps)
+    tokens = jnp.asarray([p + [0] * (s - len(p)) for p in ps], jnp.int32)
+    lens = jnp.asarray([len(p) for p in ps], jnp.int32)
+    want = [int(jnp.argmax(target.forward(jnp.asarray([p], jnp.int32)).logits[0, -1])) for p in ps]
+    for flag in (False, True):
+        eng = Engine(target, draft, cfg, serving_layout=flag)
+        first, _ = eng.prefill(tokens, lens, jnp.arange(4), eng.new_caches(4, 64), jax.random.PRNGKey(0))
+        assert [int(x) for x in first] == want

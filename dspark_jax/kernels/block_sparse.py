@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from dspark_jax.kernels import mla_flash
 from dspark_jax.kernels.common import pad_to
-from dspark_jax.layers.mla import mla_attend_absorbed
+from dspark_jax.kernels.mla_reference import mla_attend_absorbed
 
 
 def block_sparse_mask(anchors_BA: jax.Array, keep_BA: jax.Array, num_context: int, block_size: int) -> jax.Array:
@@ -143,7 +143,7 @@ def _backward(lim_BQ, seg_BQ, qn, qr, kn, kr, v, o, lse, do, *, cfg: _Config):
 def multi_anchor_reference(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,
                            kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
                            ctx_len_BA: jax.Array, scale: float) -> jax.Array:
-    """The draft's own block attention (absorbed MLA, `layers.mla.mla_attend_absorbed`) with every
+    """The draft's own block attention (absorbed MLA, `mla_reference.mla_attend_absorbed`) with every
     block a batch row: block a's T rows see context rows [0, ctx_len[a]) of their sequence and
     their own T rows (bidirectional), nothing of other blocks -> o [B, A, T, N, V].
     A dropped block gets ctx_len 0 and still sees itself (its rows are unsupervised)."""
@@ -163,7 +163,7 @@ def multi_anchor_kernel(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx
                         kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
                         ctx_len_BA: jax.Array, scale: float, **kernel_kw) -> jax.Array:
     """`multi_anchor_reference` through `block_sparse_kernel` (expanded MLA, as
-    `layers.mla.mla_attend_expanded` lifts rows): the S context rows and the A*T block rows of a
+    `mla_reference.mla_attend_expanded` lifts rows): the S context rows and the A*T block rows of a
     sequence become per-head keys / values once, and the kernel's mask does the rest.
     `kernel_kw`: block_sparse_kernel's tile / launch / interpret arguments."""
     b, a, t, n, h = q_nope_BATNH.shape

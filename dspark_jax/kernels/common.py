@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Same finite "minus infinity" as layers.mla._MASKED: fully masked rows give exp(0) * 0, never NaN.
+# Same finite "minus infinity" as mla_reference._MASKED: fully masked rows give exp(0) * 0, never NaN.
 NEG = -1e30
 
 

@@ -23,7 +23,7 @@ from typing import Iterator
 import jax
 
 from dspark_jax.kernels import block_sparse, kda_chunked, mla_paged, mla_prefill
-from dspark_jax.layers import kda
+from dspark_jax.kernels import kda_reference
 
 MODES = ("auto", "on", "off", "interpret")
 ENV_VAR = "DSPARK_KERNELS"
@@ -137,22 +137,22 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, k_nope
 
 def kda_prefill(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *, chunk_size: int = 64,
                 return_snapshots: bool = False):
-    """`layers.kda.kda_chunked` (the chunked kernel has no snapshot output: with
+    """`kda_reference.kda_chunked` (the chunked kernel has no snapshot output: with
     return_snapshots the reference runs)."""
     interpret = kernel_interpret()
     args = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV)
     if interpret is None or return_snapshots or not _fits(interpret, k_BTHK.shape[-1], v_BTHV.shape[-1]):
-        return kda.kda_chunked(*args, chunk_size=chunk_size, return_snapshots=return_snapshots)
+        return kda_reference.kda_chunked(*args, chunk_size=chunk_size, return_snapshots=return_snapshots)
     return kda_chunked.kda_chunked_kernel(*args, interpret=interpret)
 
 
 def kda_verify(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
                return_snapshots: bool = False):
-    """`layers.kda.kda_recurrent` (the verify step: state snapshot after every token)."""
+    """`kda_reference.kda_recurrent` (the verify step: state snapshot after every token)."""
     interpret = kernel_interpret()
     args = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV)
     if interpret is None or not _fits(interpret, k_BTHK.shape[-1], v_BTHV.shape[-1]):
-        return kda.kda_recurrent(*args, return_snapshots=return_snapshots)
+        return kda_reference.kda_recurrent(*args, return_snapshots=return_snapshots)
     return kda_chunked.kda_recurrent_kernel(*args, return_snapshots=return_snapshots, interpret=interpret)
 
 

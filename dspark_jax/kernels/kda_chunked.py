@@ -1,6 +1,6 @@
 """KDA delta-rule kernels (spec A.5.3): chunked prefill, and the verify recurrence with snapshots.
 
-Both take what `layers.kda.kda_chunked` / `kda_recurrent` take (q l2-normalised and scaled, k
+Both take what `kda_reference.kda_chunked` / `kda_recurrent` take (q l2-normalised and scaled, k
 l2-normalised, per-channel log-decay g <= 0, beta, fp32 state [B,H,K,V]) and return the same.
 
 `kda_chunked_kernel`: one program per (batch, head, V tile) walks the chunks in order with the

@@ -29,14 +29,14 @@ from jax.experimental import pallas as pl
 
 from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, mm_tn, pad_to, round_up
-from dspark_jax.layers.mla import masked_softmax
+from dspark_jax.kernels.mla_reference import masked_softmax
 from dspark_jax.numerics import einsum_acc
 
 _EMPTY_LSE = 1e30   # lse of a row that sees nothing: exp(s - lse) == 0 for any score
 
 
 def dense_reference(q_nope_BQNH, q_rope_BQNR, k_nope_BKNH, k_pe_BKR, v_BKNV, mask_BQK, scale: float):
-    """Dense masked attention with the same numerics as layers.mla.mla_attend_expanded -> [B,Q,N,V]."""
+    """Dense masked attention with the same numerics as mla_reference.mla_attend_expanded -> [B,Q,N,V]."""
     scores_BNQK = (einsum_acc("bqnh,bknh->bnqk", q_nope_BQNH, k_nope_BKNH)
                    + einsum_acc("bqnr,bkr->bnqk", q_rope_BQNR, k_pe_BKR))
     p_BNQK = masked_softmax(scores_BNQK * scale, mask_BQK[:, None])

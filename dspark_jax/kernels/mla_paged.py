@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from dspark_jax.cache import FP8, FP8_SCALE, PagedPool
 from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
-from dspark_jax.layers.mla import masked_softmax, mla_scores_absorbed
+from dspark_jax.kernels.mla_reference import masked_softmax, mla_scores_absorbed
 from dspark_jax.numerics import einsum_acc
 
 # `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
@@ -64,7 +64,7 @@ def _pool(pages: jax.Array, block_table_BP: jax.Array, row: int | None) -> tuple
 def mla_paged_reference(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         causal: bool, row: int | None = None) -> jax.Array:
-    """Gather the logical cache with `PagedPool.read`, then the absorbed-form pieces of layers.mla.
+    """Gather the logical cache with `PagedPool.read`, then the absorbed-form pieces of mla_reference.
 
     pages: one pool row [P, page, C+R], or the whole pool [rows, P, page, C+R] with `row`.
     Returns the latent context [B,T,N,C] in q_lat's dtype (fully masked rows give 0)."""

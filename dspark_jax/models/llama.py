@@ -132,6 +132,8 @@ class LlamaBackbone(nnx.Module):
 class LlamaModel(TargetLM):
     """HF `LlamaForCausalLM`: `model.*` + `lm_head` (absent when embeddings are tied)."""
 
+    logits_rows_supported = True
+
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, LlamaBackbone(cfg, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs)
 

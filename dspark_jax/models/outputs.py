@@ -38,6 +38,10 @@ class TargetLM(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"),
                                   dtype=dtype, rngs=rngs)
 
+    # whether `forward_cached` takes `logits_rows_BR` (compute the lm_head on those rows only:
+    # a prefill needs its last prompt row's logits, not all S rows')
+    logits_rows_supported = False
+
     @property
     def dtype(self):
         return self.model.embed_tokens.weight.get_value().dtype

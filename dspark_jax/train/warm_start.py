@@ -27,7 +27,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from dspark_jax import params as params_lib
 
