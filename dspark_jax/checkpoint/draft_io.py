@@ -27,6 +27,10 @@ and `load_draft` read the result like any Orbax checkpoint. Reads overlap writes
 a few bands whatever the tensor sizes, nothing is fsynced per write (every output file once at
 the end). Output goes to a temp dir next to the destination and is renamed into place at the end;
 any failure removes it.
+
+One module although it is over 450 lines: both layouts' readers and the streaming converter
+between them share the row-band buffers and are read together (the inventory and its checks are
+in draft_layout.py, the Orbax helpers in orbax_io.py).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@
   `<run_dir>/learning_curve.png` (tok/fwd vs sequences seen) redrawn after each eval.
 - Export: the draft in the torch layout (bf16, TorchSpec metadata) to `<run_dir>/export/step_N`
   at every checkpoint (older exports removed) and at the end.
+
+One module although it is over 450 lines: the step, its gradient accumulation, checkpointing,
+export and the held-out evaluation hooks share the trainer's state and run as one loop.
 """
 
 from __future__ import annotations
