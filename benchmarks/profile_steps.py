@@ -45,6 +45,7 @@ from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
 _DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark", "draft directory or preset")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "target (and so draft) compute dtype")
 _BATCHES = flags.DEFINE_string("batch_sizes", "1,8", "comma-separated batch sizes")
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
 _CONTEXT = flags.DEFINE_integer("context", 100, "tokens already in the cache")
@@ -331,7 +332,7 @@ def programs(eng, b: int, t: int, context: int):
         f"verify({t + 1})": (eng.step_jit, lambda c: (eng.t_state, eng.d_state, x0, jnp.ones((b, t), jnp.int32),
                                                       lens, active, ml, c, key), {"span": span, "serving": eng.serving}),
         "draft": (eng.propose_jit, lambda c: (eng.t_state, eng.d_state, x0, lens, c, key),
-                  {"span": span, "serving": eng.serving}),
+                  {"span": span, "serving": eng.serving, "draft_head": eng.draft_head}),
     }
     return progs, caches
 
@@ -447,7 +448,7 @@ def main(argv):
     from dspark_jax.engine_config import EngineConfig
     from dspark_jax.serving.models import load_draft_spec
 
-    target = load_target(_MODEL.value, dtype=jnp.float32)
+    target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
     draft = load_draft_spec(_DRAFT.value, target)
     vocab = target.cfg.vocab_size
     info = {"cpu": cpu_flags(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,

@@ -56,6 +56,10 @@ class Engine:
         self.page_size = config.page_size
         self.compute_dtype = target.dtype
         self.store_dtype = storage_dtype(config.kv_cache_dtype, self.compute_dtype)
+        if config.kv_cache_dtype == "auto" and self.store_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            # XLA:CPU converts a whole bf16 pool around every cache write and read (docs/profile.md);
+            # the rows written are bf16 values, exact in float32, so the cache holds the same numbers
+            self.store_dtype = jnp.dtype(jnp.float32)
         if draft is not None:
             self._check_pair(target, draft)
         if config.schedule is not None and (draft is None or not draft.cfg.enable_confidence_head):
@@ -80,6 +84,11 @@ class Engine:
         if serving_layout and self.mesh is None and hasattr(target, "serving_weights") \
                 and jax.default_backend() == "cpu":
             self.serving = target.serving_weights()
+        # a reduced-vocabulary draft's lm_head rows [K, D], gathered once here: inside the programs
+        # the gather would rerun on every block pass
+        self.draft_head = None
+        if draft is not None and draft.cfg.reduced_vocab:
+            self.draft_head = draft.head_rows(embed_and_head(target)[1])
         static = ("temperature", "top_p", "span")
         # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
         self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
@@ -94,12 +103,12 @@ class Engine:
     def propose(self, x0_B, lens_B, caches: TargetCaches, key, **static):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
         return self.propose_jit(self.t_state, self.d_state, x0_B, lens_B, caches, key, serving=self.serving,
-                                **static)
+                                draft_head=self.draft_head, **static)
 
     def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, **kw):
         """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
         return self.step_jit(self.t_state, self.d_state, x0_B, drafts_BT, lens_B, active_B, max_len, caches, key,
-                             serving=self.serving, **kw)
+                             serving=self.serving, draft_head=self.draft_head, **kw)
 
     @staticmethod
     def _check_pair(target, draft) -> None:
@@ -188,21 +197,23 @@ class Engine:
                             kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
-    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, serving=None,
+    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, serving=None, draft_head=None,
                       temperature: float | None = None, top_p: float | None = None, span: int | None = None):
-        """The draft's block pass alone (the confidence schedule looks at it before verifying)."""
+        """The draft's block pass alone (the confidence schedule looks at it before verifying).
+        `draft_head`: the draft's lm_head rows when its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
         full_table = caches.pool.block_table
         pool = caches.pool._replace(block_table=span_table(full_table, caches.pool.page_size, span))
         embed, head = embed_and_head(target)
-        prop = steps.draft_block(draft, embed, head, x0_B, lens_B, pool, target.attention_rows, self.t,
+        prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B, pool,
+                                 target.attention_rows, self.t,
                                  temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
         caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                   given_logits_BTV=None, limit_B=None, serving=None,
+                   given_logits_BTV=None, limit_B=None, serving=None, draft_head=None,
                    temperature: float | None = None, top_p: float | None = None, span: int | None = None):
         """One propose/verify step over every slot; inactive rows write nothing and keep their
         KDA state. `given_drafts_BT` (their width is the step's T) replaces the draft model's block
@@ -222,7 +233,8 @@ class Engine:
             drafts = given_drafts_BT
         elif draft is not None:
             embed, head = embed_and_head(target)
-            prop = steps.draft_block(draft, embed, head, x0_B, lens_B, caches.pool, target.attention_rows, self.t,
+            prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
+                                     caches.pool, target.attention_rows, self.t,
                                      temperature=temperature, top_p=top_p,
                                      key=k_draft if temperature > 0 else None)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV

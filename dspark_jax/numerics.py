@@ -6,9 +6,20 @@ DotThunk::Execute"), while CPUs without them upcast silently: the same program r
 and crashes on the next. On CPU the operands are therefore upcast first; bf16 (and fp8) products
 are exact in float32 and the sum is float32 either way, so the value is the same computation.
 Float64 operands (parity tests under x64) stay float64.
+
+Projections by a bf16 weight (`linear`, `linear_acc`) are the exception, where this machine's
+XLA:CPU proves it can: it hands a two-dimensional bf16 x bf16 -> f32 product of at least two rows
+to a YNNPACK library fusion that reads the bf16 weight as it is (`native_bf16_gemm` compiles a
+probe once and looks). There a verify of 8 rows costs about what one row does, while the upcast
+form converts every weight on every call (docs/profile.md). The product is accumulated in float32
+and rounded once, as torch's bf16 linear is; elsewhere bf16 projections stay bf16 x bf16 -> bf16.
+`DSPARK_NATIVE_BF16_GEMM=0` turns the fast form off (`=1` does not force it on).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,3 +40,52 @@ def einsum_acc(spec: str, *operands: jax.Array) -> jax.Array:
     if on_cpu():
         return jnp.einsum(spec, *(x.astype(acc) for x in operands))
     return jnp.einsum(spec, *operands, preferred_element_type=acc)
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """True when XLA:CPU compiles `[M, I] bf16 x [O, I] bf16 -> f32` (M >= 2) into a YNNPACK fusion
+    on the bf16 operands themselves (no convert), for the projection shapes probed here; False off
+    CPU, when it would upcast or hand the dot to its thunk runtime, or when disabled by the environment."""
+    if not on_cpu() or os.environ.get("DSPARK_NATIVE_BF16_GEMM", "1") == "0":
+        return False
+    # a square projection, a narrow output (the confidence/rope sizes) and an lm_head-wide one
+    for m, i, o in ((2, 64, 64), (3, 576, 8), (2, 576, 49152)):
+        x = jax.ShapeDtypeStruct((m, i), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((o, i), jnp.bfloat16)
+        text = jax.jit(_gemm_f32).lower(x, w).compile().as_text()
+        if "__ynn_fusion" not in text or "convert(" in text:
+            return False
+    return True
+
+
+def _gemm_f32(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
+    return jnp.einsum("mi,oi->mo", x_MI, w_OI, preferred_element_type=jnp.float32)
+
+
+def _native_bf16_projection(x_XI: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """x @ W.T as one 2-D bf16 GEMM with a float32 result; one row is padded to two (XLA:CPU sends a
+    single bf16 row to a GEMV that upcasts the whole weight)."""
+    lead = x_XI.shape[:-1]
+    x_MI = x_XI.reshape(-1, x_XI.shape[-1])
+    m = x_MI.shape[0]
+    if m == 1:
+        x_MI = jnp.concatenate([x_MI, x_MI], axis=0)
+    return _gemm_f32(x_MI, w_OI)[:m].reshape(lead + (w_OI.shape[0],))
+
+
+def linear(x_XI: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """x @ W.T for a weight stored [out, in], in W's dtype (x is cast to it first)."""
+    x_XI = x_XI.astype(w_OI.dtype)
+    if w_OI.dtype == jnp.bfloat16 and native_bf16_gemm():
+        return _native_bf16_projection(x_XI, w_OI).astype(jnp.bfloat16)
+    return jnp.einsum("...i,oi->...o", x_XI, w_OI)
+
+
+def linear_acc(x_XI: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """x @ W.T for a weight stored [out, in], accumulated and returned in float32 (float64 under
+    x64): `einsum_acc` for a projection; x is cast to W's dtype first."""
+    x_XI = x_XI.astype(w_OI.dtype)
+    if w_OI.dtype == jnp.bfloat16 and native_bf16_gemm():
+        return _native_bf16_projection(x_XI, w_OI)
+    return einsum_acc("...i,oi->...o", x_XI, w_OI)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import generate, load_draft, load_target
+from dspark_jax import generate, load_draft, load_target, numerics
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 
@@ -102,8 +102,23 @@ def test_batched_generation_with_the_shipped_draft(demo_pair, smollm2_dir):
     assert spec.stats["num_verify_steps"] > 0
 
 
+# a projection in the native form `numerics.native_bf16_gemm` probes: [M, I] x [O, I] -> [M, O], M >= 2
+_NATIVE_FORM = re.compile(r": \(tensor<(\d+)x(\d+)xbf16>, tensor<(\d+)x(\d+)xbf16>\) -> tensor<(\d+)x(\d+)xf32>")
+
+
+def _native_projection(line: str) -> bool:
+    m = _NATIVE_FORM.search(line)
+    if not m:
+        return False
+    rows, k, out, k2, rows2, out2 = (int(g) for g in m.groups())
+    return k == k2 and rows == rows2 >= 2 and out == out2
+
+
 def test_bf16_target_programs_have_no_mixed_dot():
-    """A bf16 target (and draft) on CPU: the float32-accumulated products upcast their operands."""
+    """A bf16 target (and draft) on CPU: the float32-accumulated products upcast their operands,
+    except the projections this CPU's XLA runs natively (`numerics.native_bf16_gemm`): those are
+    two-dimensional with at least two rows, the form the probe saw compiled into YNNPACK, and no
+    mixed dot reaches the compiled program's top level (the thunk runtime)."""
     from flax import nnx
 
     from dspark_jax.engine import cast_floating
@@ -115,7 +130,69 @@ def test_bf16_target_programs_have_no_mixed_dot():
         nnx.update(m, cast_floating(nnx.state(m), jnp.bfloat16))
     assert target.dtype == jnp.bfloat16
     engine = Engine(target, draft, EngineConfig(num_speculative_tokens=3))
+    native = numerics.native_bf16_gemm()
+    seen_native = 0
     for name, lowered in _programs(engine).items():
         bad = mixed_dots(lowered)
+        if native:
+            seen_native += sum(map(_native_projection, bad))
+            bad = [line for line in bad if not _native_projection(line)]
         assert not bad, f"{name} asks for bf16 x bf16 -> f32 dots:\n" + "\n".join(bad[:5])
+    assert (seen_native > 0) == native       # where the CPU can, the projections do use the native form
     np.testing.assert_equal(engine.compute_dtype, jnp.bfloat16)
+
+
+def test_native_bf16_projection_is_the_float32_sum_rounded_once():
+    """`numerics.linear` on bf16: where native, the float32 sum rounded once to bf16 (what torch's
+    bf16 linear computes), one row (padded to two) equal to the same row inside a larger call;
+    elsewhere the plain bf16 einsum. Either way the value is within one bf16 rounding of the float64 sum."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 576)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 576)) * 0.05, jnp.bfloat16)
+    got = np.asarray(jax.jit(numerics.linear)(x, w), np.float64)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    ulp = np.abs(exact) * 2.0 ** -8 + 1e-30                      # bf16 has 8 significant bits
+    assert np.all(np.abs(got - exact) <= ulp), np.max(np.abs(got - exact) / ulp)
+    one = np.asarray(jax.jit(numerics.linear)(x[2:3], w), np.float64)       # a single row (padded)
+    assert np.all(np.abs(one[0] - exact[2]) <= ulp[2])
+    acc = np.asarray(jax.jit(numerics.linear_acc)(x, w))
+    assert acc.dtype == np.float32
+    np.testing.assert_allclose(acc, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    if not numerics.native_bf16_gemm():
+        np.testing.assert_array_equal(got, np.asarray(jnp.einsum("mi,oi->mo", x, w), np.float64))
+
+
+def test_native_bf16_gemm_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("DSPARK_NATIVE_BF16_GEMM", "0")
+    assert numerics.native_bf16_gemm.__wrapped__() is False
+
+
+@pytest.mark.parametrize("family", ["llama", "k3"])
+def test_bf16_engine_on_cpu_keeps_its_cache_in_float32_with_the_same_numbers(family):
+    """kv_cache_dtype auto with a bf16 model on CPU stores float32 pages (XLA:CPU converts a whole
+    bf16 pool around each write and read): every stored value is a bf16 value, and generation
+    equals the run with a real bf16 cache (kv_cache_dtype bf16), speculative and plain."""
+    from flax import nnx
+
+    from dspark_jax.engine import cast_floating
+    from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
+
+    target = tiny_llama() if family == "llama" else tiny_k3()
+    draft = tiny_draft(target) if family == "llama" else tiny_draft(target, layer_ids=(1, 3))
+    for m in (target, draft):
+        nnx.update(m, cast_floating(nnx.state(m), jnp.bfloat16))
+    ps = prompts(3, target.cfg.vocab_size, seed=2, hi=14)
+    engine = Engine(target, draft, EngineConfig(num_speculative_tokens=3))
+    assert engine.store_dtype == jnp.float32
+    caches = engine.new_caches(2, 64)
+    toks = jnp.asarray(np.random.default_rng(3).integers(1, 12, (2, 6)), jnp.int32)
+    lens = jnp.asarray([6, 6], jnp.int32)
+    first, caches = engine.prefill(toks, lens, jnp.arange(2, dtype=jnp.int32), caches, jax.random.PRNGKey(0))
+    _, _, caches = engine.step(first, lens, jnp.ones((2,), bool), 64, caches, jax.random.PRNGKey(1))
+    pages = np.asarray(caches.pool.pages)
+    assert np.count_nonzero(pages) > 0
+    np.testing.assert_array_equal(pages, np.asarray(jnp.asarray(pages).astype(jnp.bfloat16).astype(jnp.float32)))
+    for d in (draft, None):
+        auto = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False)
+        real = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False, kv_cache_dtype="bf16")
+        assert [o.token_ids for o in auto.outputs] == [o.token_ids for o in real.outputs]

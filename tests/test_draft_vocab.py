@@ -137,6 +137,32 @@ def test_restricted_block_forward_matches_torch_reference(tmp_path):
     np.testing.assert_array_equal(np.asarray(drafts), want)
 
 
+def test_reduce_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
+    """`reduce_vocabulary` (train.distill --init_from FULL --draft_vocab) gives the draft an
+    EAGLE-3-style trainer would save from the same weights: markov_w2 cut to the kept rows, the
+    map set, everything else unchanged; and it refuses a draft that is already reduced."""
+    from dspark_jax import params as params_lib
+    from dspark_jax.checkpoint.draft_layout import reduce_vocabulary
+    make_torch_draft(tmp_path / "full", dtype=torch.float32, seed=3)
+    make_reduced_torch_draft(tmp_path / "cut", dtype=torch.float32, seed=3)
+    full = load_draft(tmp_path / "full", dtype=jnp.float32)
+    small = reduce_vocabulary(full, KEPT_TINY)
+    want = load_draft(tmp_path / "cut", dtype=jnp.float32)
+    assert small.cfg.draft_vocab == K_TINY and small.cfg.vocab_size == full.cfg.vocab_size
+    np.testing.assert_array_equal(np.asarray(small.draft_token_ids()), KEPT_TINY)
+    got, ref = params_lib.flat_params(small), params_lib.flat_params(want)
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        np.testing.assert_array_equal(np.asarray(got[name].get_value()), np.asarray(ref[name].get_value()), name)
+    aux, lm_head = _inputs(0)
+    a = small.block_forward(aux, 17, np.zeros((96, TINY["hidden_size"]), np.float32), lm_head)
+    b = want.block_forward(aux, 17, np.zeros((96, TINY["hidden_size"]), np.float32), lm_head)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="already reduced"):
+        reduce_vocabulary(small, KEPT_TINY)
+
+
 # ---------------------------------------------------------------------------------------------
 # verification stays lossless
 
@@ -172,7 +198,14 @@ def test_lossless_greedy_with_reduced_vocab(family):
     toks = jnp.asarray([p[:4] + [0] * (8 - 4) for p in ps[:2]], jnp.int32)
     first, caches = eng.prefill(toks, jnp.asarray([4, 4], jnp.int32), jnp.arange(2, dtype=jnp.int32), caches,
                                 jax.random.PRNGKey(0))
-    drafts, logits, _, _ = eng.propose(first, jnp.asarray([4, 4], jnp.int32), caches, jax.random.PRNGKey(1))
+    lens = jnp.asarray([4, 4], jnp.int32)
+    # the engine gathers the kept lm_head rows once; gathering them inside the program drafts the same
+    from dspark_jax.engine import embed_and_head
+    np.testing.assert_array_equal(np.asarray(eng.draft_head), np.asarray(embed_and_head(target)[1])[sorted(kept)])
+    inside, *_ = eng.propose_jit(eng.t_state, eng.d_state, first, lens, jax.tree.map(jnp.copy, caches),
+                                 jax.random.PRNGKey(1))
+    drafts, logits, _, _ = eng.propose(first, lens, caches, jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(np.asarray(drafts), np.asarray(inside))
     assert set(np.asarray(drafts).ravel().tolist()) <= kept
     assert logits.shape[-1] == target.cfg.vocab_size
     outside = np.setdiff1d(np.arange(target.cfg.vocab_size), sorted(kept))

@@ -231,7 +231,9 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
 # the program: flags
 
 
-def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_path):
+def _distill_inputs(pair, samples, tmp_path) -> tuple[list[str], dict]:
+    """A tiny target directory, draft config and regen cache on disk; the train.distill command
+    line reading them (without --run_dir) and its environment."""
     target, draft = pair
     tdir = tmp_path / "target"
     tdir.mkdir()
@@ -247,13 +249,18 @@ def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_
     with open(tmp_path / "heldout.jsonl", "w") as f:
         for s in samples[:2]:
             f.write(json.dumps({"prompt_ids": s.input_ids[:int(np.argmax(s.loss_mask))].tolist()}) + "\n")
-    run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train.distill", f"--target={tdir}", f"--data={tmp_path / 'regen.jsonl'}",
-           f"--draft_config={tmp_path / 'draft.json'}", f"--run_dir={run_dir}", "--total_steps=2",
-           "--global_batch=4", "--micro_batch=2", "--max_len=48", "--num_anchors=16", "--save_every=100",
-           "--compute_dtype=float32", "--lr=1e-3", "--warm_start", "--lr_schedule=constant", "--eval_every=2",
-           f"--eval_prompts_file={tmp_path / 'heldout.jsonl'}", "--eval_max_new_tokens=8"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+           f"--draft_config={tmp_path / 'draft.json'}", "--global_batch=4", "--micro_batch=2", "--max_len=48",
+           "--num_anchors=16", "--compute_dtype=float32", "--lr=1e-3"]
+    return cmd, dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+
+
+def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_path):
+    base, env = _distill_inputs(pair, samples, tmp_path)
+    run_dir = tmp_path / "run"
+    cmd = base + [f"--run_dir={run_dir}", "--total_steps=2", "--save_every=100", "--warm_start",
+                  "--lr_schedule=constant", "--eval_every=2", f"--eval_prompts_file={tmp_path / 'heldout.jsonl'}",
+                  "--eval_max_new_tokens=8"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "warm start: 11 tensors copied from the target" in res.stdout
@@ -268,6 +275,34 @@ def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_
     bad = subprocess.run(cmd + [f"--init_from={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "cannot be combined with --init_from" in bad.stderr
+
+
+def test_distill_trains_a_reduced_vocabulary_draft_and_pins_its_map(pair, samples, tmp_path):
+    from dspark_jax.checkpoint.draft_io import load_draft
+    from dspark_jax.train.vocab import VocabChoice, write_choice
+
+    base, env = _distill_inputs(pair, samples, tmp_path)
+    counts = np.bincount(np.concatenate([s.input_ids[s.loss_mask] for s in samples]), minlength=96)
+    kept = sorted(int(i) for i in np.argsort(-counts, kind="stable")[:40])
+    write_choice(VocabChoice(kept, 96, 0.9, 0.9, None, int(counts.sum()), 0), tmp_path / "vocab.json")
+    run_dir = tmp_path / "run"
+    cmd = base + [f"--run_dir={run_dir}", "--total_steps=1", "--save_every=1", "--warm_start",
+                  f"--draft_vocab={tmp_path / 'vocab.json'}"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "reduced draft vocabulary: 40 of 96 target ids" in res.stdout
+    assert json.loads((run_dir / "vocab.json").read_text())["token_ids"] == kept
+    export = run_dir / "export" / "step_0000001"
+    assert json.loads((export / "config.json").read_text())["draft_vocab_size"] == 40
+    draft = load_draft(export, dtype=jnp.float32)
+    assert np.asarray(draft.draft_token_ids()).tolist() == kept
+    assert draft.markov_head.markov_w2.weight.get_value().shape[0] == 40
+    # a resume must see the same vocabulary (checkpoints hold parameters, not the map)
+    other = kept[1:] + [max(set(range(96)) - set(kept))]
+    write_choice(VocabChoice(sorted(other), 96, 0.9, 0.9, None, 1, 0), tmp_path / "vocab2.json")
+    bad = subprocess.run(base + [f"--run_dir={run_dir}", "--total_steps=2", f"--draft_vocab={tmp_path / 'vocab2.json'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "differs from the vocabulary this run started with" in bad.stderr
 
 
 def test_gsm8k_heldout_prompts_are_outside_the_benchmark_prompts():

@@ -12,6 +12,10 @@ Rerunning the same command resumes from the newest checkpoint in --run_dir. --in
 from a torch-layout draft; --warm_start initialises a fresh draft from the target where shapes allow
 (dspark_jax/train/warm_start.py: MLP + norms of the target's last layers, identity context_proj on
 the last aux layer, zero Markov output side and confidence head; attention random);
+--draft_vocab vocab.json (`python -m train.vocab`) trains a draft with a reduced vocabulary (the K
+most frequent answer tokens): a fresh one, or --init_from's full-vocabulary draft with its Markov
+output side cut to the kept rows; the file is copied to <run_dir>/vocab.json and a resume must
+give the same one (checkpoints hold parameters, not the map);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
@@ -64,6 +68,9 @@ flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are trunc
 flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
+flags.DEFINE_string("draft_vocab", None, "vocab.json of `python -m train.vocab`: train the draft over these K "
+                    "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, a full-vocabulary draft is "
+                    "cut down to them.")
 flags.DEFINE_bool("warm_start", False, "Initialise the draft from the target where shapes allow "
                   "(dspark_jax/train/warm_start.py); not with --init_from.")
 flags.DEFINE_float("lr", 5e-5, "Peak learning rate.")
@@ -125,16 +132,33 @@ def main(argv: list[str]) -> None:
     if FLAGS.lr_schedule == "constant" and FLAGS.min_lr_frac:
         log(f"note: --min_lr_frac {FLAGS.min_lr_frac} is unused with --lr_schedule constant")
 
+    kept_ids = None
+    if FLAGS.draft_vocab:
+        kept_ids = _pinned_vocab(FLAGS.draft_vocab, Path(FLAGS.run_dir), draft_cfg.vocab_size)
+        log(f"reduced draft vocabulary: {len(kept_ids)} of {draft_cfg.vocab_size} target ids ({FLAGS.draft_vocab})")
+        draft_cfg = DraftConfig.from_dict({**draft_cfg.raw, "draft_vocab_size": len(kept_ids)},
+                                          where=f"{FLAGS.draft_config or FLAGS.init_from} + {FLAGS.draft_vocab}")
+        if init_draft is not None:    # the full draft's weights, its Markov output side cut to the kept rows
+            from dspark_jax.checkpoint.draft_layout import reduce_vocabulary
+            if init_draft.cfg.reduced_vocab:
+                raise app.UsageError(f"--draft_vocab: the --init_from draft already has a reduced vocabulary "
+                                     f"(draft_vocab_size {init_draft.cfg.draft_vocab})")
+            init_draft = reduce_vocabulary(init_draft, kept_ids)
+
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
-    if FLAGS.warm_start:
+    if FLAGS.warm_start or (kept_ids is not None and init_draft is None):
         from flax import nnx
 
+        from dspark_jax.checkpoint.draft_layout import set_vocab_map
         from dspark_jax.models.dspark import K3DSparkModel
-        from dspark_jax.train.warm_start import warm_start
-        # the same random init as a run without --warm_start (same seed), then the target's tensors
+        # the Trainer's own random init (same seed), then the target's tensors and/or the map
         init_draft = sharding_lib.create_sharded(
             lambda: K3DSparkModel(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(FLAGS.seed)), mesh)
-        warm_start(init_draft, target, log=log)
+        if FLAGS.warm_start:
+            from dspark_jax.train.warm_start import warm_start
+            warm_start(init_draft, target, log=log)
+        if kept_ids is not None:
+            set_vocab_map(init_draft, kept_ids)
     online = FLAGS.data is not None
     if online:
         rows = [row for path in _data_files(FLAGS.data) for row in regen.read_cache(path)]
@@ -212,6 +236,30 @@ def _export_multihost(trainer: trainer_lib.Trainer, run_dir: Path, log) -> None:
     log(f"exported the draft (torch layout) to {dst}")
 
 
+def _pinned_vocab(path: str, run_dir: Path, vocab_size: int) -> list[int]:
+    """The kept ids of --draft_vocab, copied to <run_dir>/vocab.json on the first run. The map is not
+    a trained parameter, so checkpoints do not hold it: a resumed run must get the same file."""
+    from dspark_jax.train.vocab import read_choice
+    try:
+        kept = read_choice(path)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--draft_vocab {path}: {e}") from None
+    if not 0 < len(kept) < vocab_size or kept[-1] >= vocab_size:
+        raise app.UsageError(f"--draft_vocab {path}: {len(kept)} ids (largest {kept[-1]}) do not reduce the "
+                             f"target's vocabulary of {vocab_size}")
+    pinned = run_dir / "vocab.json"
+    if pinned.exists():
+        if read_choice(pinned) != kept:
+            raise app.UsageError(f"--draft_vocab {path} differs from the vocabulary this run started with "
+                                 f"({pinned}): resume with that file or use a new --run_dir")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = pinned.with_suffix(".tmp")
+        tmp.write_text(Path(path).read_text())
+        tmp.replace(pinned)
+    return kept
+
+
 def _data_files(spec: str) -> list[str]:
     """--data: paths and globs, comma-separated, in the given order (a glob's matches sorted)."""
     files = []
@@ -235,7 +283,7 @@ _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "
               "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len", "num_anchors",
               "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
               "seed", "save_every", "log_every", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
-              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size"}
+              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab"}
 
 
 if __name__ == "__main__":

@@ -140,6 +140,28 @@ def set_vocab_map(draft: K3DSparkModel, target_ids) -> None:
     draft.t2d.set_value(jnp.asarray(t2d))
 
 
+def reduce_vocabulary(draft: K3DSparkModel, target_ids) -> K3DSparkModel:
+    """A reduced-vocabulary copy of a full-vocabulary draft: every parameter as it is, the Markov
+    head's output side `markov_w2` cut to the kept rows, the map set (the lm_head rows come from the
+    target at run time). Its drafts are the full draft's whenever those fall in the kept set."""
+    cfg = draft.cfg
+    if cfg.reduced_vocab:
+        raise ValueError(f"the draft's vocabulary is already reduced (draft_vocab_size {cfg.draft_vocab}); "
+                         "start from a full-vocabulary draft")
+    ids = np.asarray(target_ids, np.int64)
+    src = params_lib.flat_params(draft)
+    dtype = next(iter(src.values())).get_value().dtype
+    small = K3DSparkModel(DraftConfig.from_dict({**cfg.raw, "draft_vocab_size": int(ids.size)}), dtype=dtype,
+                          rngs=nnx.Rngs(0))
+    set_vocab_map(small, ids)
+    for name, p in params_lib.flat_params(small).items():
+        value = src[name].get_value()
+        if name == "markov_head.markov_w2.weight":
+            value = jnp.take(value, jnp.asarray(ids), axis=0)
+        p.set_value(value)
+    return small
+
+
 def draft_inventory(cfg: DraftConfig, *, include_embed: bool = True,
                     metadata: Mapping[str, str] | None = TORCHSPEC_METADATA) -> DraftInventory:
     """The tensors a torch-layout draft file holds for `cfg`, in the order torch's `save_file`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.numerics import linear
 from dspark_jax.params import param
 
 
@@ -17,8 +18,7 @@ class Linear(nnx.Module):
         self.bias = param((out_features,), dtype, (axes[0],), rngs, init="zeros") if bias else None
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        w = self.weight.get_value()
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        y = linear(x, self.weight.get_value())
         if self.bias is not None:
             y = y + self.bias.get_value()
         return y
@@ -39,5 +39,4 @@ class Embed(nnx.Module):
 
     def attend(self, x: jnp.ndarray) -> jnp.ndarray:
         """Tied lm_head: logits = x @ E.T."""
-        w = self.weight.get_value()
-        return jnp.einsum("...d,vd->...v", x.astype(w.dtype), w)
+        return linear(x, self.weight.get_value())

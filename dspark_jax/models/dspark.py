@@ -34,7 +34,7 @@ from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
 from dspark_jax.layers.norms import RMSNorm, rms_norm
-from dspark_jax.numerics import acc_dtype, einsum_acc
+from dspark_jax.numerics import acc_dtype, einsum_acc, linear_acc
 from dspark_jax.sampling import markov_draft
 
 
@@ -152,7 +152,7 @@ class K3DSparkModel(nnx.Module):
         concatenated aux hidden states at absolute positions (no input_layernorm, no queries)."""
         w_DA = self.context_proj.weight.get_value()
         # the 35840-wide contraction accumulates in fp32 and rounds once, like a bf16 GEMM
-        proj_BND = einsum_acc("bna,da->bnd", aux_BNA.astype(w_DA.dtype), w_DA).astype(w_DA.dtype)
+        proj_BND = linear_acc(aux_BNA, w_DA).astype(w_DA.dtype)
         ctx_BND = rms_norm(proj_BND, self.context_norm.weight.get_value(), self.context_norm.eps)
         return jnp.stack([layer.self_attn.latent_kv(ctx_BND, positions_BN) for layer in self.layers])
 
@@ -219,7 +219,7 @@ class K3DSparkModel(nnx.Module):
         returned in float32 (float64 under x64): the one precision of draft logits, in serving and
         in training alike (a bf16 draft rounds nothing here)."""
         head_KD = self.head_rows(lm_head_VD)
-        return einsum_acc("...d,vd->...v", h_XD.astype(head_KD.dtype), head_KD)
+        return linear_acc(h_XD, head_KD)
 
     # -- Markov head --------------------------------------------------------------------------
 
