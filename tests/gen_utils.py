@@ -87,3 +87,20 @@ def tiny_k3(seed: int = 0) -> KimiLinearModel:
 def prompts(n: int, vocab: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(1, vocab - 1, size=int(rng.integers(lo, hi)))] for _ in range(n)]
+
+
+def answer_samples(target, max_new_tokens: int, n: int = 8, seed: int = 0) -> list:
+    """The target's own greedy answers to `n` random prompts as training samples (what
+    `train.regen` produces): prompt + answer ids, loss mask on the answer."""
+    from dspark_jax.generate import generate
+    from dspark_jax.train.regen import Sample
+    rng = np.random.default_rng(seed)
+    prompts = [[int(x) for x in rng.integers(0, 90, int(rng.integers(6, 14)))] for _ in range(n)]
+    res = generate(target, None, prompts, max_new_tokens=max_new_tokens)
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, res.outputs)):
+        ids = np.asarray(p + o.token_ids, np.int32)
+        mask = np.zeros(len(ids), bool)
+        mask[len(p):] = True
+        out.append(Sample(f"s{i}", ids, mask))
+    return out

@@ -377,3 +377,13 @@ def test_choose_from_rows_reports_heldout_coverage_and_cli(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"K = {choice.k} of 200" in out.stdout and "held-out" in out.stdout
     assert vocab_lib.read_choice(tmp_path / "v.json") == choice.token_ids
+    # --min_size: the coverage set, then more answer tokens by count, then unseen ids from the smallest
+    seen = set(np.flatnonzero(counts).tolist())
+    big = vocab_lib.choose_from_rows(rows, 200, 0.9, heldout_fraction=0.2, always=[7], min_size=len(seen) + 5)
+    assert set(choice.token_ids) <= set(big.token_ids) and seen <= set(big.token_ids)
+    assert big.token_ids == sorted(seen | set(sorted(set(range(200)) - seen)[:5]) | {7})
+    out = subprocess.run([sys.executable, "-m", "train.vocab", f"--data={data}", "--vocab_size=200",
+                          "--coverage=0.9", "--heldout=0.2", "--always=7", f"--min_size={len(seen) + 5}",
+                          f"--out={tmp_path / 'v2.json'}"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert vocab_lib.read_choice(tmp_path / "v2.json") == big.token_ids

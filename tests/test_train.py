@@ -27,7 +27,7 @@ from dspark_jax.train import loss as L
 from dspark_jax.train import regen, teacher, torchspec
 from dspark_jax.train import trainer as T
 from dspark_jax.train.regen import Sample
-from tests.gen_utils import tiny_draft, tiny_llama
+from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -44,17 +44,7 @@ def pair():
 @pytest.fixture(scope="module")
 def samples(pair):
     """The tiny target's own greedy answers to random prompts (what regen produces)."""
-    target, _ = pair
-    rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(0, 90, int(rng.integers(6, 14)))] for _ in range(8)]
-    res = generate(target, None, prompts, max_new_tokens=28)
-    out = []
-    for i, (p, o) in enumerate(zip(prompts, res.outputs)):
-        ids = np.asarray(p + o.token_ids, np.int32)
-        mask = np.zeros(len(ids), bool)
-        mask[len(p):] = True
-        out.append(Sample(f"s{i}", ids, mask))
-    return out
+    return answer_samples(pair[0], max_new_tokens=28)
 
 
 def _cfg(run_dir, **kw) -> T.TrainConfig:

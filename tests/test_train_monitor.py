@@ -22,9 +22,8 @@ from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as L
 from dspark_jax.train import monitor
 from dspark_jax.train import trainer as T
-from dspark_jax.train.regen import Sample
 from dspark_jax.train.warm_start import WarmStartError, plan, warm_start
-from tests.gen_utils import randomize, tiny_draft, tiny_llama
+from tests.gen_utils import answer_samples, randomize, tiny_draft, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -40,17 +39,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def samples(pair):
-    target, _ = pair
-    rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(0, 90, int(rng.integers(6, 14)))] for _ in range(8)]
-    res = generate(target, None, prompts, max_new_tokens=24)
-    out = []
-    for i, (p, o) in enumerate(zip(prompts, res.outputs)):
-        ids = np.asarray(p + o.token_ids, np.int32)
-        mask = np.zeros(len(ids), bool)
-        mask[len(p):] = True
-        out.append(Sample(f"s{i}", ids, mask))
-    return out
+    return answer_samples(pair[0], max_new_tokens=24)
 
 
 def _flat(model) -> dict[str, np.ndarray]:

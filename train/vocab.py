@@ -1,7 +1,7 @@
 """Choose a reduced draft vocabulary from the target's cached answers (dspark_jax/train/vocab.py).
 
     python -m train.vocab --data runs/demo/regen.jsonl --vocab_size 49152 --coverage 0.995 \
-        --out runs/demo/vocab.json [--heldout 0.1] [--always 2,0]
+        --out runs/demo/vocab.json [--heldout 0.1] [--always 2,0] [--min_size 8192]
 
 Reports K (= the draft's `draft_vocab_size`) and the coverage of answer tokens on the training
 rows and on the held-out rows (split by a hash of the row id). `--data` takes several caches,
@@ -21,6 +21,9 @@ flags.DEFINE_integer("vocab_size", None, "the target's vocab_size", required=Tru
 flags.DEFINE_float("coverage", 0.995, "fraction of training answer tokens the kept set must cover")
 flags.DEFINE_float("heldout", 0.1, "fraction of rows (by id hash) held out for the coverage report")
 flags.DEFINE_list("always", [], "target ids always kept (eos, end of turn)")
+flags.DEFINE_integer("min_size", 1, "keep at least this many ids: past the coverage set, the next most frequent "
+                     "answer tokens, then (never seen in the answers) the smallest ids, which a BPE vocabulary "
+                     "gives its earliest, most common merges", lower_bound=1)
 flags.DEFINE_string("out", None, "vocab.json to write", required=True)
 
 
@@ -30,7 +33,7 @@ def main(argv):
     if not rows:
         raise app.UsageError(f"--data {FLAGS.data}: no rows")
     choice = choose_from_rows(rows, FLAGS.vocab_size, FLAGS.coverage, heldout_fraction=FLAGS.heldout,
-                              always=[int(i) for i in FLAGS.always])
+                              always=[int(i) for i in FLAGS.always], min_size=FLAGS.min_size)
     write_choice(choice, FLAGS.out)
     held = "n/a" if choice.heldout_coverage is None else f"{choice.heldout_coverage:.4%}"
     print(f"K = {choice.k} of {choice.vocab_size} ({choice.k / choice.vocab_size:.1%}); coverage: train "

@@ -78,7 +78,7 @@ def is_heldout(row_id: str, fraction: float) -> bool:
 
 
 def choose_from_rows(rows: Iterable[Mapping], vocab_size: int, coverage: float = 0.995, *,
-                     heldout_fraction: float = 0.1, always: Sequence[int] = ()) -> VocabChoice:
+                     heldout_fraction: float = 0.1, always: Sequence[int] = (), min_size: int = 1) -> VocabChoice:
     """`select_vocab` on the kept rows' `answer_ids` (regen cache rows), held-out rows excluded
     from the choice and used for the reported held-out coverage."""
     train, held = [], []
@@ -87,7 +87,7 @@ def choose_from_rows(rows: Iterable[Mapping], vocab_size: int, coverage: float =
             continue
         (held if is_heldout(r["id"], heldout_fraction) else train).append(r["answer_ids"])
     c_train, c_held = token_counts(train, vocab_size), token_counts(held, vocab_size)
-    ids = select_vocab(c_train, coverage, always=always)
+    ids = select_vocab(c_train, coverage, always=always, min_size=min_size)
     return VocabChoice([int(i) for i in ids], vocab_size, coverage, coverage_of(ids, c_train),
                        coverage_of(ids, c_held) if c_held.sum() else None, int(c_train.sum()), int(c_held.sum()))
 
