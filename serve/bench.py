@@ -35,6 +35,7 @@ flags.DEFINE_string("aime_file", None, "AIME JSONL ({id, problem, answer} per li
 flags.DEFINE_integer("limit", None, "First N prompts of each benchmark (default: the official counts).",
                      lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 512, "Tokens generated per turn.", lower_bound=1)
+flags.DEFINE_enum("dtype", "checkpoint", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 flags.DEFINE_integer("max_turns", None, "Turns per conversation at most (MT-Bench first turns: 1; default: all).",
@@ -73,7 +74,7 @@ def main(argv) -> None:
         names = list(bench.DEFAULT_BENCHMARKS if FLAGS.aime_file else bench.DEFAULT_BENCHMARKS[:3])
         if not FLAGS.aime_file:
             log.warning("AIME 2026 skipped: no --aime_file given (no registry ships AIME)")
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, dtype=FLAGS.dtype)
     if pair.draft is None:
         raise app.UsageError("the benchmark measures a draft: --draft_model none is not meaningful here")
     for line in describe(pair, config):

@@ -29,6 +29,7 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
 flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat template.")
 flags.DEFINE_list("stop", None, "Stop strings.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_enum("dtype", "checkpoint", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
                   "each step verifies (spec E.6; default step-cost model).")
@@ -51,7 +52,7 @@ def main(argv) -> None:
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp)
+    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, dtype=FLAGS.dtype)
     for line in describe(pair, config):
         log.info(line)
     res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,

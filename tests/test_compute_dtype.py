@@ -196,3 +196,17 @@ def test_bf16_engine_on_cpu_keeps_its_cache_in_float32_with_the_same_numbers(fam
         auto = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False)
         real = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False, kv_cache_dtype="bf16")
         assert [o.token_ids for o in auto.outputs] == [o.token_ids for o in real.outputs]
+
+
+def test_entry_point_dtype_choice(smollm2_dir):
+    """--dtype of serve.generate / serve.server / serve.bench: checkpoint, float32, bfloat16, or auto
+    (bfloat16 exactly where this CPU runs bf16 GEMMs natively); the draft follows the target."""
+    from dspark_jax.serving.models import load_pair, resolve_dtype
+    assert resolve_dtype("checkpoint") is None and resolve_dtype(None) is None
+    assert resolve_dtype("bfloat16") == jnp.bfloat16 and resolve_dtype("float32") == jnp.float32
+    assert resolve_dtype("auto") == (jnp.dtype(jnp.bfloat16) if numerics.native_bf16_gemm() else None)
+    with pytest.raises(ValueError, match="--dtype 'fp16'"):
+        resolve_dtype("fp16")
+    pair = load_pair(str(smollm2_dir), "smollm2-135m-dspark", dtype="bfloat16")
+    assert pair.target.dtype == jnp.bfloat16
+    assert pair.draft.context_proj.weight.get_value().dtype == jnp.bfloat16

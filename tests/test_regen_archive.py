@@ -59,3 +59,26 @@ def test_an_archive_of_another_cache_is_refused(tmp_path):
     _write(b, _rows(4, 8))
     with pytest.raises(ValueError, match="part-00000.jsonl.gz: its answers are not rows 0..1"):
         regen.archive_cache(b, archive, part_size=2)
+
+
+def test_regen_batch_benchmark_reports_rates_with_and_without_compilation(smollm2_dir, tmp_path):
+    """`benchmarks.regen_batch` on the real target (tiny run): a row per batch size, the wall-clock
+    rate, the compilation JAX reported inside the timed pass, and the rate without it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    pool = tmp_path / "prompts.jsonl"
+    _write(pool, [{"id": f"q{i}", "source": "s", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]}
+                  for i in range(6)])
+    out = tmp_path / "rb.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.regen_batch", f"--prompts={pool}", f"--model={smollm2_dir}",
+                          "--batch_sizes=1,2", "--rounds=1", "--max_new_tokens=6", f"--output_json={out}"],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["tokens"] > 0 and 0 <= r["compile_s"] <= r["wall_s"]
+        assert r["tok_per_s_compiled"] >= r["tok_per_s"] > 0
+    assert "| batch | prompts | tokens | wall s | compiling s |" in res.stdout

@@ -24,7 +24,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
 from dspark_jax.config import DraftConfig
 from dspark_jax.engine import pool_geometry
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.engine_config import DTYPE_CHOICES, EngineConfig
 from dspark_jax.generate import tokenizer_for
 from dspark_jax.presets import resolve_model_path
 
@@ -108,11 +108,25 @@ def fingerprint(spec: str, content_limit: int = 256 << 20) -> str:
     return h.hexdigest()[:16]
 
 
-def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1) -> ModelPair:
-    """Target + draft for an entry point (see the module docstring for the names)."""
+def resolve_dtype(name: str | None):
+    """A --dtype choice as a load dtype (None: the checkpoint's)."""
+    if name in (None, "checkpoint"):
+        return None
+    if name == "auto":
+        from dspark_jax.numerics import native_bf16_gemm
+        return jax.numpy.dtype(jax.numpy.bfloat16) if native_bf16_gemm() else None
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype {name!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    return jax.numpy.dtype(name)
+
+
+def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1,
+              dtype: str | None = None) -> ModelPair:
+    """Target + draft for an entry point (see the module docstring for the names); `dtype`: a
+    --dtype choice (`resolve_dtype`)."""
     mesh = make_mesh(tp)
     target_name = model or DEFAULT_TARGET
-    target = load_target(target_name, mesh=mesh)
+    target = load_target(target_name, mesh=mesh, dtype=resolve_dtype(dtype))
     draft_name = draft_model or DEFAULT_DRAFT
     draft = load_draft_spec(draft_name, target, mesh)
     return ModelPair(target, draft, tokenizer_for(target), str(target_name),
