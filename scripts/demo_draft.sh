@@ -11,8 +11,8 @@
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
 # The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v3: this script's output with the
-# defaults below, stage 4 stopped at step 120 of 300 (its export step_0000120; the lr is constant,
-# so any step is a valid stop). STAGES=1 stops after v0, 2 after v1, 3 after v2 (the previous
+# defaults below, stage 4 stopped at step 120 of 300 (STOP4; the lr is constant, so any step is
+# a valid stop). STAGES=1 stops after v0, 2 after v1, 3 after v2 (the previous
 # shipped draft; v0 was trained on the same 591 rows in the cache's completion order, the snapshot
 # holds them in pool order).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
@@ -33,7 +33,8 @@ STEPS2=${STEPS2:-80}          # stage 2: optimizer steps of 16 sequences
 STEPS3=${STEPS3:-160}         # stage 3: optimizer steps of 16 sequences, offline teacher
 LIMIT4=${LIMIT4:-1123}        # stage 4: the first N prompts, GSM8K train first
 VOCAB_K=${VOCAB_K:-8192}      # stage 4: draft vocabulary size (at least)
-STEPS4=${STEPS4:-120}         # stage 4: optimizer steps of 16 sequences (constant lr: any step is a valid stop)
+STEPS4=${STEPS4:-300}         # stage 4: the run's length in optimizer steps of 16 sequences (sets the warmup)
+STOP4=${STOP4:-120}           # stage 4: steps this invocation runs (constant lr: any step is a valid stop)
 STAGES=${STAGES:-4}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
@@ -110,8 +111,8 @@ if [ "$STAGES" -ge 4 ]; then
         --init_from "$final" --draft_vocab "$RUN/vocab-gsm-$LIMIT4-$VOCAB_K.json" --run_dir "$RUN/distill-$NAME-4" \
         --total_steps "$STEPS4" --global_batch 16 --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 \
         --lr_schedule constant --warmup_frac 0.03 --clip 1.0 --compute_dtype float32 --save_every 10 \
-        --log_every 1 --eval_every 30 --seed 3
-    final=$(last_export "$RUN/distill-$NAME-4")
+        --log_every 1 --eval_every 30 --seed 3 --stop_after "$STOP4"
+    final="$RUN/distill-$NAME-4/export/step_$(printf %07d "$STOP4")"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
