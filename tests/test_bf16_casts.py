@@ -5,7 +5,8 @@ computation of the spec's formula written here (not our code):
 - SiTU: the fp32 product of both soft-clipped branches, rounded to bf16 once;
 - MLA output gate: o * sigmoid(x @ Wg.T) in bf16 (the gate rounded to bf16, then the product);
 - routed experts: the fp32 sum of the weighted bf16 expert outputs, rounded to bf16 before
-  `routed_expert_norm`.
+  `routed_expert_norm`;
+- the Llama MLP (the demo target in bf16): silu in fp32 rounded once, then the bf16 product.
 
 Method (independent of the CPU): torch evaluates the formula in float64 (`exact`) and bounds how
 far any fp32 implementation can be from it (`err`, derived per check from fp32 rounding and
@@ -22,7 +23,8 @@ fold a convert(convert(x, bf16), f32) pair; GPU compilers may, under xla_allow_e
 
 Found by these checks and fixed in dspark_jax/layers/mla.py: `jax.nn.sigmoid` on a bf16 tensor is
 expanded by XLA as 1 / (1 + exp(-x)) with a bf16 rounding after every step (up to 2 bf16 ulps off
-on ~35% of inputs), where torch evaluates a bf16 sigmoid in fp32 and rounds once.
+on ~35% of inputs), where torch evaluates a bf16 sigmoid in fp32 and rounds once. The same held
+for `jax.nn.silu` in dspark_jax/models/llama.py (fixed: it now uses `layers.mlp.glu`).
 """
 
 from __future__ import annotations
@@ -314,3 +316,48 @@ def test_routed_expert_sum_rounds_to_bf16_before_norm(monkeypatch):
     # and the norm's bf16 input lies in the bracket of the exact sum
     assert_in_bracket(norm_in, to_bf16(y_lo - err), to_bf16(y_hi + err), "routed_expert_norm input",
                       decisive=0.95)
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama MLP (the bf16 demo target): silu(gate) in fp32 rounded to bf16, then the bf16 product
+
+
+def test_llama_mlp_silu_rounds_like_the_bf16_reference():
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with down_proj = identity (exact in bf16):
+    the output is the gated product itself. HF's bf16 LlamaMLP rounds the projections (fp32 sums),
+    silu (fp32 inside, one rounding: torch's opmath) and the product; the brackets carry each one
+    through (silu is not monotonic below -1.28, so its bracket is the min/max over the gate's
+    bracket ends and, where that bracket holds the minimum, the minimum itself)."""
+    from dspark_jax.config import LlamaConfig
+    from dspark_jax.models.llama import LlamaMLP
+    cfg = LlamaConfig.from_dict(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    mlp = LlamaMLP(cfg, dtype=BF16, rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(5)
+    # dyadic inputs and weights (k/4, k/16): every projection sum is exact in fp32, so the checks
+    # below decide on almost every element and only the silu and product roundings are tested
+    for p in (mlp.gate_proj, mlp.up_proj):
+        p.weight.set_value(jnp.asarray(rng.integers(-8, 9, (32, 32)) / 16.0, BF16))
+    mlp.down_proj.weight.set_value(jnp.eye(32, dtype=BF16))
+    x = jnp.asarray(rng.integers(-4, 5, (3, 7, 32)) / 4.0, BF16)
+    got = nnx.jit(lambda m, x: m(x))(mlp, x)
+
+    def proj(w):   # the fp32 sum is exact (dyadic terms, |sum| < 2^17), then one bf16 rounding
+        xw = f64(x)[..., None, :] * f64(w.get_value())
+        return bracket(xw.sum(-1), 0.0)
+    g_lo, g_hi = proj(mlp.gate_proj.weight)
+    u_lo, u_hi = proj(mlp.up_proj.weight)
+    silu = lambda a: a / (1.0 + np.exp(-a))
+    x_min = -1.2784645427610737                                        # argmin of silu
+    ends = np.stack([silu(g_lo), silu(g_hi)])
+    s_min = np.where((g_lo <= x_min) & (x_min <= g_hi), silu(x_min), ends.min(0))
+    s_lo = to_bf16(np.minimum(s_min, ends.min(0)) - TRANS * np.abs(ends).max(0))
+    s_hi = to_bf16(ends.max(0) + TRANS * np.abs(ends).max(0))
+    prods = np.stack([s_lo * u_lo, s_lo * u_hi, s_hi * u_lo, s_hi * u_hi])
+    lo, hi = to_bf16(prods.min(0)), to_bf16(prods.max(0))
+    assert_in_bracket(got, lo, hi, "Llama MLP gated product")
+    # HF's bf16 computation in torch
+    xt = torch.from_numpy(f64(x)).bfloat16()
+    wt = lambda p: torch.from_numpy(f64(p.weight.get_value())).bfloat16()
+    spec = F.silu(xt @ wt(mlp.gate_proj).T) * (xt @ wt(mlp.up_proj).T)
+    assert_in_bracket(spec, lo, hi, "torch reference MLP")

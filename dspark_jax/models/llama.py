@@ -25,6 +25,7 @@ from dspark_jax.cache import TargetCaches
 from dspark_jax.checkpoint.loader import Progress, load_state
 from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear, linear_io
+from dspark_jax.layers.mlp import glu
 from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.outputs import ForwardOutput, TargetLM
@@ -100,10 +101,10 @@ class LlamaMLP(nnx.Module):
         """`weights` (`LlamaModel.serving_weights`): gate|up as one [in, 2I] matrix and down as
         [I, out]: two GEMMs instead of three."""
         if weights is None:
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), "silu"))
         gu = linear_io(x, weights["gate_up"])
         i = gu.shape[-1] // 2
-        return linear_io(jax.nn.silu(gu[..., :i]) * gu[..., i:], weights["down"])
+        return linear_io(glu(gu[..., :i], gu[..., i:], "silu"), weights["down"])
 
 
 class LlamaDecoderLayer(nnx.Module):
