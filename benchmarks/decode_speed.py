@@ -26,7 +26,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchmarks.steps_timing import make_engine, random_target, step_costs
+from benchmarks.steps_timing import CompileClock, make_engine, random_target, step_costs
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
 _DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark",
@@ -53,7 +53,6 @@ def _timed(fn):
 
 def main(argv):
     del argv
-    import jax
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
@@ -77,13 +76,7 @@ def main(argv):
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
     # prompts of other lengths than the warm-up's meet new span buckets and compile inside the timed
     # runs; the rates are reported over the wall time and over the wall time less that compilation
-    compiling = [0.0]
-
-    def on_event(event: str, seconds: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            compiling[0] += seconds
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
+    clock = CompileClock()
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
@@ -108,13 +101,13 @@ def main(argv):
                                       confidence_schedule=sched)
             run(prompts[:b])               # warm-up compiles every shape this run uses
             produced, elapsed, stats = 0, 0.0, None
-            compiling[0] = 0.0
+            clock.reset()
             for i in range(0, len(prompts), b):
                 res, dt = _timed(lambda: run(prompts[i:i + b]))
                 produced += sum(len(o.token_ids) for o in res.outputs)
                 elapsed += dt
                 stats = res.stats if stats is None else _merge(stats, res.stats)
-            comp = min(compiling[0], elapsed)
+            comp = min(clock.seconds, elapsed)
             row[f"{name}_tokens_per_s"] = produced / elapsed
             row[f"{name}_compile_s"] = comp
             row[f"{name}_tokens_per_s_compiled"] = produced / max(elapsed - comp, 1e-9)

@@ -33,9 +33,9 @@ flags.mark_flag_as_required("prompts")
 
 def main(argv):
     del argv
-    import jax
     import jax.numpy as jnp
 
+    from benchmarks.steps_timing import CompileClock
     from dspark_jax import load_target
     from dspark_jax.batcher import Batcher, Request, pow2
     from dspark_jax.engine_config import EngineConfig
@@ -54,24 +54,18 @@ def main(argv):
     prompts = [encode_prompt(regen.prompt_messages(r), tok, True) for r in records[:need]]
     max_len = pow2(max(len(p) for p in prompts) + _NEW.value + 1)
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
-    compiling = [0.0]
-
-    def on_event(event: str, seconds: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            compiling[0] += seconds
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
+    clock = CompileClock()
     rows = []
     for b in sizes:
         batcher = Batcher(engine, b, max_len)
         # warm-up pass: compiles the first prefill buckets and spans (the timed pass may meet more)
         batcher.run([Request(p, _NEW.value, eos_ids=eos) for p in prompts[:b]])
         reqs = [Request(p, _NEW.value, eos_ids=eos) for p in prompts[b:b * (_ROUNDS.value + 1)]]
-        compiling[0] = 0.0
+        clock.reset()
         t0 = time.perf_counter()
         batcher.run(reqs)
         dt = time.perf_counter() - t0
-        comp = min(compiling[0], dt)
+        comp = min(clock.seconds, dt)
         tokens = sum(len(r.tokens) for r in reqs)
         rows.append({"batch_size": b, "prompts": len(reqs), "tokens": tokens, "wall_s": dt, "compile_s": comp,
                      "tok_per_s": tokens / dt, "tok_per_s_compiled": tokens / max(dt - comp, 1e-9),

@@ -6,7 +6,8 @@ and tests, can import it).
   (a step's cost does not depend on the values), drawn without running the initialisers;
 - `make_engine(target, draft, T)`: the greedy Engine generate() uses for the pair;
 - `step_costs(engine, batch)`: the draft's block pass, a verify of T+1 tokens and a one-token
-  step, timed on a fresh cache `context` tokens deep.
+  step, timed on a fresh cache `context` tokens deep;
+- `CompileClock`: the seconds JAX reports compiling (to take them out of an end-to-end rate).
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+class CompileClock:
+    """Sums the durations JAX reports for compilation (`/jax/core/compile/*` events: tracing,
+    lowering, backend compile) from `reset()` on; one listener per clock, registered once."""
+
+    def __init__(self):
+        import jax
+        self.seconds = 0.0
+
+        def on_event(event: str, seconds: float, **_) -> None:
+            if event.startswith("/jax/core/compile/"):
+                self.seconds += seconds
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+
+    def reset(self) -> None:
+        self.seconds = 0.0
 
 
 def make_engine(target, draft, t: int, page_size: int = 16):
