@@ -8,7 +8,9 @@ Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/f
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
 tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it). With
 `--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
-t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. CPU
+t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. With
+`--speculative_disable_by_batch_size N` also speculation switched off while N or more sequences
+share a step ("switching"). CPU
 numbers are only meaningful as ratios; absolute times only from a GPU.
 
 `--steps_only` times just the three steps (no generation, no prompts, no tokenizer) and prints
@@ -38,6 +40,8 @@ _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
                            "param dtype (XLA:CPU runs bf16 matmuls slower than f32)")
 _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
+_OFF = flags.DEFINE_integer("speculative_disable_by_batch_size", None, "also measure speculation switched off "
+                            "while this many sequences or more share a step ('switching')", lower_bound=1)
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _REPS = flags.DEFINE_integer("step_reps", 5, "timed repetitions of each step (after a compile call)")
 _STEPS_ONLY = flags.DEFINE_bool("steps_only", False, "only time the steps (block pass, verify, one-token step)")
@@ -92,13 +96,16 @@ def main(argv):
                   f"{row['verify_ms']:.2f} ms | one-token step {row['one_token_step_ms']:.2f} ms | draft share "
                   f"of a step {share:.1%} | break-even tok/fwd {break_even:.2f}", flush=True)
             continue
-        variants = [("plain", None, False), ("speculative", draft, False)]
+        variants = [("plain", None, False, None), ("speculative", draft, False, None)]
         if _SCHED.value:
-            variants.append(("scheduled", draft, cost))
+            variants.append(("scheduled", draft, cost, None))
             row["verify_cost"] = {"fixed": cost.fixed, "per_token": cost.per_token}
-        for name, d, sched in variants:
+        if _OFF.value:
+            variants.append(("switching", draft, False, _OFF.value))
+            row["speculative_disable_by_batch_size"] = _OFF.value
+        for name, d, sched, off in variants:
             run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
-                                      confidence_schedule=sched)
+                                      confidence_schedule=sched, speculative_disable_by_batch_size=off)
             run(prompts[:b])               # warm-up compiles every shape this run uses
             produced, elapsed, stats = 0, 0.0, None
             clock.reset()
@@ -128,6 +135,12 @@ def main(argv):
             line += (f" | scheduled {row['scheduled_tokens_per_s']:.1f} tok/s ({row['scheduled_speedup']:.2f}x, "
                      f"tok/fwd {row['scheduled_tok_per_fwd']:.2f}, "
                      f"{row['scheduled_drafts_verified_per_step']:.2f} drafts verified/step)")
+        if _OFF.value:
+            row["switching_speedup"] = row["switching_tokens_per_s"] / row["plain_tokens_per_s"]
+            row["switching_speedup_compiled"] = (row["switching_tokens_per_s_compiled"]
+                                                 / row["plain_tokens_per_s_compiled"])
+            line += (f" | off at >= {_OFF.value} sequences: {row['switching_tokens_per_s']:.1f} tok/s "
+                     f"({row['switching_speedup']:.2f}x; less compilation {row['switching_speedup_compiled']:.2f}x)")
         results.append(row)
         print(line, flush=True)
     if _JSON.value:

@@ -185,7 +185,11 @@ class Batcher:
         eng, t = self.engine, self.engine.t
         span = self._span(int(self.lens[active].max()) + t + 1)
         given = logits = limits = None
-        if self.proposer is not None:
+        off = eng.config.disable_by_batch_size
+        plain = bool(t) and off is not None and int(active.sum()) >= off
+        if plain:     # no drafts this step: a one-token step (the draft's context rows are still written)
+            given = jnp.zeros((self.num_slots, 0), jnp.int32)
+        elif self.proposer is not None:
             given = jnp.asarray([self.proposer(s.index, s.tokens, t) if active[i] else [0] * t
                                  for i, s in enumerate(self.slots)], jnp.int32).reshape(self.num_slots, t)
         elif eng.schedule is not None:
@@ -207,7 +211,10 @@ class Batcher:
         for i, r in enumerate(self.slots):
             if not active[i]:
                 continue
-            if t:
+            if plain:
+                r.stats.plain_steps += 1
+                self.stats.plain_steps += 1
+            elif t:
                 verified = t if limits is None else int(lengths[i])
                 r.stats.update(int(n[i]), verified)
                 self.stats.update(int(n[i]), verified)

@@ -36,6 +36,10 @@ class EngineConfig:
     max_num_seqs: int = 8                    # cache slots: sequences decoded together
     max_model_len: int | None = None         # tokens per sequence; None: from the target
     schedule: VerifyCost | None = None       # confidence-scheduled verify length (spec E.6)
+    # with this many sequences or more in a step, decode them without drafts (vLLM's
+    # speculative_disable_by_batch_size): where verifying T+1 tokens per row is compute-bound (a
+    # CPU at batch 8) speculation costs more than it returns. None: always speculate
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -52,6 +56,8 @@ class EngineConfig:
             raise RequestError(f"page_size (--block_size) must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
             raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
                                f"step of {self.num_speculative_tokens + 1}")
@@ -67,9 +73,9 @@ class EngineConfig:
         """(draft, config) as the engine runs them: without a draft (and without an external
         proposer) T is 0; with T = 0 the draft is not used. The schedule needs a draft."""
         if draft is None and proposer is None:
-            return None, self.replace(num_speculative_tokens=0, schedule=None)
+            return None, self.replace(num_speculative_tokens=0, schedule=None, disable_by_batch_size=None)
         if not self.speculative:
-            return None, self.replace(schedule=None)
+            return None, self.replace(schedule=None, disable_by_batch_size=None)
         return draft, self
 
     def max_len_for(self, target) -> int:
@@ -79,15 +85,16 @@ class EngineConfig:
 
 
 def define_flags(flag_values=None, **defaults) -> None:
-    """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs and
-    --max_model_len (ATOM's names). `defaults` overrides a default where a program's purpose
+    """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs,
+    --max_model_len (ATOM's names) and --speculative_disable_by_batch_size (vLLM's). `defaults` overrides a default where a program's purpose
     differs (serve.plan plans Kimi-K3 deployments at ATOM's page size and context)."""
     from absl import flags
 
     fv = flag_values or flags.FLAGS
     base = EngineConfig()
     d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
-             block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len)
+             block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len,
+             speculative_disable_by_batch_size=base.disable_by_batch_size)
     unknown = set(defaults) - set(d)
     if unknown:
         raise ValueError(f"unknown engine flags {sorted(unknown)}")
@@ -104,6 +111,9 @@ def define_flags(flag_values=None, **defaults) -> None:
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_model_len", d["max_model_len"], "Tokens per sequence, prompt + output (default: "
                          "min(max_position_embeddings, 4096)).", lower_bound=2, flag_values=fv)
+    flags.DEFINE_integer("speculative_disable_by_batch_size", d["speculative_disable_by_batch_size"],
+                         "Decode without drafts while at least this many sequences share a step (unset: "
+                         "always speculate).", lower_bound=1, flag_values=fv)
 
 
 def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineConfig:
@@ -113,4 +123,4 @@ def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineCo
     fv = flag_values or flags.FLAGS
     return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
                         page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
-                        schedule=schedule)
+                        schedule=schedule, disable_by_batch_size=fv.speculative_disable_by_batch_size)

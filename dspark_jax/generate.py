@@ -45,7 +45,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              stop: Sequence[str] | None = None, seed: int = 0, chat: bool = True, *,
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
-             confidence_schedule: bool | VerifyCost = False) -> GenerateResult:
+             confidence_schedule: bool | VerifyCost = False,
+             speculative_disable_by_batch_size: int | None = None) -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -54,6 +55,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     chat template. `draft=None` or `num_speculative_tokens=0` decodes without speculation.
     `confidence_schedule` (True or a `VerifyCost`) lets the draft's confidence head choose how many
     drafts each step verifies (spec E.6); off by default, as in ATOM for Kimi-K3-DSpark.
+    `speculative_disable_by_batch_size=N`: steps over N or more sequences run without drafts (where
+    a wide verify is compute-bound, e.g. a CPU at batch 8; docs/profile.md); output is unchanged.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -66,7 +69,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if confidence_schedule:
         schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype,
-                          page_size=page_size, max_model_len=max_model_len, schedule=schedule)
+                          page_size=page_size, max_model_len=max_model_len, schedule=schedule,
+                          disable_by_batch_size=speculative_disable_by_batch_size)
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
@@ -119,8 +123,8 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
-    # part of what a compiled engine is; slots and capacity are the batcher's, not the programs'
-    key = (id(draft), config.replace(max_num_seqs=1, max_model_len=None), *sampling_key(temperature, top_p),
+    # part of what a compiled engine is; slots, capacity and when to speculate are the batcher's
+    key = (id(draft), config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None), *sampling_key(temperature, top_p),
            kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:

@@ -13,6 +13,7 @@ class SpecStats:
     total_accepted_tokens: int = 0
     distribution: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)   # drafts accepted at position k
+    plain_steps: int = 0       # one-token steps taken with speculation off (disable_by_batch_size)
 
     def __post_init__(self):
         t = self.num_speculative_tokens
@@ -28,6 +29,7 @@ class SpecStats:
             self.accepted_at_position[k] += 1
 
     def merge(self, other: "SpecStats") -> None:
+        self.plain_steps += other.plain_steps
         self.total_draft_tokens += other.total_draft_tokens
         self.total_accepted_tokens += other.total_accepted_tokens
         self.distribution = [a + b for a, b in zip(self.distribution, other.distribution)]
@@ -48,4 +50,6 @@ class SpecStats:
             "num_verify_steps": steps_n,
             # P(draft k accepted): acceptance per draft position, k = 1..T
             "per_position_acceptance": [a / steps_n if steps_n else 0.0 for a in self.accepted_at_position],
+            # steps that ran without drafts (not verify steps: they count in none of the above)
+            "num_plain_steps": self.plain_steps,
         }

@@ -184,3 +184,38 @@ def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
         *_, caches = eng.step(x0, lens, active, jnp.int32(64), caches, key, span=64)
         assert [x.sharding for x in jax.tree.leaves(caches)] == placement
     assert eng.propose_jit._cache_size() == 1 and eng.step_jit._cache_size() == 1
+
+
+def test_speculation_off_above_a_batch_size_keeps_output_and_draft_context(k3):
+    """speculative_disable_by_batch_size=2: steps over 2+ sequences run without drafts, a lone
+    sequence speculates again. Every request still equals plain greedy decoding, and the draft's
+    context rows written by the plain steps equal those a fully speculative run writes (so
+    speculation resumes on a complete draft cache)."""
+    target, engines = k3
+    eos = _eos(target)
+    ps = prompts(3, target.cfg.vocab_size, seed=24, lo=4, hi=12)
+    budgets = [6, 14, 30]
+    want = [_solo(engines[0], p, n, eos) for p, n in zip(ps, budgets)]
+    switching = Engine(target, engines[T].draft, EngineConfig(num_speculative_tokens=T, disable_by_batch_size=2))
+    b = Batcher(switching, SLOTS, MAX_LEN)
+    reqs = b.run([Request(p, n, eos_ids=eos) for p, n in zip(ps, budgets)])
+    assert [r.tokens for r in reqs] == want
+    stats = b.stats.to_dict()
+    assert stats["num_plain_steps"] > 0 and stats["num_verify_steps"] > 0
+    assert reqs[2].stats.plain_steps > 0 and reqs[2].stats.to_dict()["num_verify_steps"] > 0
+    assert reqs[0].stats.to_dict()["num_verify_steps"] == 0      # it never ran alone
+
+    # draft context rows: always plain (threshold 1) vs always speculative, the same sequence
+    rows = slice(target.attention_rows, None)
+    got = {}
+    for name, eng in (("plain", Engine(target, engines[T].draft, EngineConfig(num_speculative_tokens=T,
+                                                                               disable_by_batch_size=1))),
+                      ("spec", engines[T])):
+        bb = Batcher(eng, SLOTS, MAX_LEN)
+        r = bb.run([Request(ps[2], 20)])[0]
+        n = len(ps[2]) + len(r.tokens) - 1           # positions written (the last token is not yet in)
+        pages, _ = _pages_of(bb.caches, 0)
+        got[name] = (r.tokens, pages[rows].reshape(pages.shape[0] - target.attention_rows, -1, pages.shape[-1])[:, :n])
+        assert (bb.stats.plain_steps > 0) == (name == "plain")
+    assert got["plain"][0] == got["spec"][0]
+    np.testing.assert_allclose(got["plain"][1], got["spec"][1], rtol=0, atol=1e-5)

@@ -493,6 +493,7 @@ def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):
     assert counts["cached_before"] == 2 and counts["written"] == 2
     rows = regen.read_cache(out)
     assert [r["id"] for r in rows] == ["r0", "r1", "r2", "r3"]
+    assert {r["dtype"] for r in rows} == {"float32"}                      # the target's compute dtype
     r3 = rows[3]
     assert r3["prompt_ids"] == tok.encode("<user>a<assistant>old<user>b<assistant>")   # trailing turn regenerated
     samples = list(regen.samples_from_cache(rows))

@@ -51,7 +51,8 @@ from dspark_jax.train import trainer as trainer_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
-flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype.")
+flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype (the held-out eval "
+                  "serves the target in float32 either way, as benchmarks.acceptance does).")
 flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher); several (the shards of a multi-host "
                     "train.regen): a glob or a comma-separated list.")
 flags.DEFINE_string("teacher_dir", None, "Offline teacher shard directory (instead of --data).")
@@ -210,7 +211,10 @@ def main(argv: list[str]) -> None:
         else:
             prompts = monitor.gsm8k_heldout_prompts(FLAGS.eval_num_prompts, start=FLAGS.eval_offset)
             where = f"GSM8K test {FLAGS.eval_offset}..{FLAGS.eval_offset + len(prompts) - 1}"
-        evaluator = monitor.HeldOutEval(target, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
+        # served like benchmarks.acceptance serves it (float32), whatever dtype the teacher runs in
+        served = target if FLAGS.target_dtype == "float32" else load_target(FLAGS.target, dtype=jnp.float32,
+                                                                             mesh=mesh)
+        evaluator = monitor.HeldOutEval(served, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
             f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")

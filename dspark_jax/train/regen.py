@@ -14,7 +14,8 @@ Cache format (JSONL, UTF-8, one object per line, appended as answers finish and 
      "answer_ids": [int],        # the target's tokens, eos included when it stopped on one
      "finish_reason": "stop" | "length",
      "kept": bool,               # false: fewer than `min_loss_tokens` answer tokens (not trained on)
-     "answer_text": str}
+     "answer_text": str,
+     "dtype": str}               # the target's compute dtype ("float32" where absent: older records)
 
     loss_mask = [0] * len(prompt_ids) + [1] * len(answer_ids)
 
@@ -224,7 +225,9 @@ def regenerate(target, tokenizer, records: Sequence[Mapping[str, Any]], out: str
                settings: RegenSettings, batch_size: int = 8,
                log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None) -> dict:
     """Answer every record not yet in the cache `out` and append them. Returns counts.
-    `on_write()` runs after each progress line and at the end (e.g. `archive_cache`)."""
+    `on_write()` runs after each progress line and at the end (e.g. `archive_cache`). The target's
+    compute dtype is recorded on every answer: greedy answers of a bf16 and an f32 target part ways
+    now and then, and one cache may hold both (a resume with the other --dtype)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
@@ -273,6 +276,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     max_len = min(limit, pow2(max(len(p) for p in prompts) + settings.max_new_tokens + 1))
     eos = frozenset(eos_ids(target, tokenizer))
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature)
+    dtype = np.dtype(engine.compute_dtype).name
     batcher = Batcher(engine, batch_size, max_len, seed=settings.seed)
     for i, p in enumerate(prompts):
         batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
@@ -289,7 +293,8 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                 lines.append(json.dumps({"id": rec["id"], "source": rec.get("source", ""),
                                          "prompt_ids": list(req.prompt), "answer_ids": list(req.tokens),
                                          "finish_reason": req.finish_reason, "kept": kept,
-                                         "answer_text": output_text(req.tokens, tokenizer, eos, [])},
+                                         "answer_text": output_text(req.tokens, tokenizer, eos, []),
+                                         "dtype": dtype},
                                         ensure_ascii=False))
             if not lines:
                 continue
