@@ -52,9 +52,14 @@ class Batcher:
     inactive rows) and go next, round robin. Finished or aborted requests free their slot at
     once. `generate()`, the HTTP server and the benchmark all drive this loop."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None):
+    def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
+                 disable_by_batch_size: int | None = None):
         if max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if disable_by_batch_size is not None and disable_by_batch_size < 1:
+            raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size}")
+        # steps over this many sequences or more run without drafts (EngineConfig.disable_by_batch_size)
+        self.disable_by_batch_size = disable_by_batch_size
         self.engine, self.num_slots, self.max_len = engine, max_num_seqs, max_len
         self.caches = engine.new_caches(max_num_seqs, max_len)
         self.slots: list[Request | None] = [None] * max_num_seqs
@@ -185,7 +190,7 @@ class Batcher:
         eng, t = self.engine, self.engine.t
         span = self._span(int(self.lens[active].max()) + t + 1)
         given = logits = limits = None
-        off = eng.config.disable_by_batch_size
+        off = self.disable_by_batch_size
         plain = bool(t) and off is not None and int(active.sum()) >= off
         if plain:     # no drafts this step: a one-token step (the draft's context rows are still written)
             given = jnp.zeros((self.num_slots, 0), jnp.int32)

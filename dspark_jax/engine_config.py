@@ -38,7 +38,8 @@ class EngineConfig:
     schedule: VerifyCost | None = None       # confidence-scheduled verify length (spec E.6)
     # with this many sequences or more in a step, decode them without drafts (vLLM's
     # speculative_disable_by_batch_size): where verifying T+1 tokens per row is compute-bound (a
-    # CPU at batch 8) speculation costs more than it returns. None: always speculate
+    # CPU at batch 8) speculation costs more than it returns. None: always speculate. The Batcher
+    # applies it (the compiled programs do not depend on it)
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):

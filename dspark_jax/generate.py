@@ -103,7 +103,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     if engine is None:
         engine = engine_for(target, draft, config, temperature, top_p)
-    batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer)
+    batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
+                      disable_by_batch_size=config.disable_by_batch_size)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)

@@ -76,7 +76,8 @@ def main(argv) -> None:
     max_model_len = config.max_len_for(pair.target)
     for line in describe(pair, config, store_dtype=engine.store_dtype, pool=True):
         log.info(line)
-    batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed)
+    batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
+                      disable_by_batch_size=config.disable_by_batch_size)
     if FLAGS.warmup:
         log.info("warming up (compiling prefill and the decode step) ...")
         batcher.run([Request([0] * 4, 2)])

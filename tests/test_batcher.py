@@ -196,8 +196,7 @@ def test_speculation_off_above_a_batch_size_keeps_output_and_draft_context(k3):
     ps = prompts(3, target.cfg.vocab_size, seed=24, lo=4, hi=12)
     budgets = [6, 14, 30]
     want = [_solo(engines[0], p, n, eos) for p, n in zip(ps, budgets)]
-    switching = Engine(target, engines[T].draft, EngineConfig(num_speculative_tokens=T, disable_by_batch_size=2))
-    b = Batcher(switching, SLOTS, MAX_LEN)
+    b = Batcher(engines[T], SLOTS, MAX_LEN, disable_by_batch_size=2)
     reqs = b.run([Request(p, n, eos_ids=eos) for p, n in zip(ps, budgets)])
     assert [r.tokens for r in reqs] == want
     stats = b.stats.to_dict()
@@ -205,13 +204,19 @@ def test_speculation_off_above_a_batch_size_keeps_output_and_draft_context(k3):
     assert reqs[2].stats.plain_steps > 0 and reqs[2].stats.to_dict()["num_verify_steps"] > 0
     assert reqs[0].stats.to_dict()["num_verify_steps"] == 0      # it never ran alone
 
+    # through generate(), whose engine is shared with calls that always speculate
+    from dspark_jax.generate import generate
+    always = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T)
+    off = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T,
+                   speculative_disable_by_batch_size=2)
+    assert always.stats["num_plain_steps"] == 0 and off.stats["num_plain_steps"] > 0
+    assert [o.token_ids for o in off.outputs] == [o.token_ids for o in always.outputs]
+
     # draft context rows: always plain (threshold 1) vs always speculative, the same sequence
     rows = slice(target.attention_rows, None)
     got = {}
-    for name, eng in (("plain", Engine(target, engines[T].draft, EngineConfig(num_speculative_tokens=T,
-                                                                               disable_by_batch_size=1))),
-                      ("spec", engines[T])):
-        bb = Batcher(eng, SLOTS, MAX_LEN)
+    for name, off in (("plain", 1), ("spec", None)):
+        bb = Batcher(engines[T], SLOTS, MAX_LEN, disable_by_batch_size=off)
         r = bb.run([Request(ps[2], 20)])[0]
         n = len(ps[2]) + len(r.tokens) - 1           # positions written (the last token is not yet in)
         pages, _ = _pages_of(bb.caches, 0)

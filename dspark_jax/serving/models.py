@@ -153,7 +153,9 @@ def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: b
         lines.append(f"drafter: DSpark {type(pair.draft).__name__} ({pair.draft_name}): {dc.num_hidden_layers} MLA "
                      f"layers, block of {num_speculative_tokens} speculative tokens, aux capture layer ids "
                      f"{list(dc.target_layer_ids)}, markov rank {dc.markov_rank}, confidence head "
-                     f"{'on' if dc.enable_confidence_head else 'off'}")
+                     f"{'on' if dc.enable_confidence_head else 'off'}"
+                     + (f", off while {config.disable_by_batch_size}+ sequences share a step"
+                        if config.disable_by_batch_size else ""))
     cache = f"kv cache: --kv_cache_dtype {config.kv_cache_dtype}"
     if store_dtype is not None:
         cache += f" -> stored as {jax.numpy.dtype(store_dtype).name}"
