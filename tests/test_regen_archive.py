@@ -81,4 +81,7 @@ def test_regen_batch_benchmark_reports_rates_with_and_without_compilation(smollm
     for r in rows:
         assert r["tokens"] > 0 and 0 <= r["compile_s"] <= r["wall_s"]
         assert r["tok_per_s_compiled"] >= r["tok_per_s"] > 0
+        # the slots-full window ends where the queue ran empty: before the drain, inside the pass
+        assert 0 < r["full_tokens"] < r["tokens"] and 0 < r["full_s"] < r["wall_s"]
+        assert r["full_compile_s"] <= r["compile_s"] + 1e-9 and r["tok_per_s_full_compiled"] > 0
     assert "| batch | prompts | tokens | wall s | compiling s |" in res.stdout
