@@ -10,11 +10,12 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v3: this script's output with the
-# defaults below, stage 4 stopped at step 120 of 300 (STOP4; the lr is constant, so any step is
-# a valid stop). STAGES=1 stops after v0, 2 after v1, 3 after v2 (the previous
-# shipped draft; v0 was trained on the same 591 rows in the cache's completion order, the snapshot
-# holds them in pool order).
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v4: this script's output with the
+# defaults below (stage 5 stopped at step STOP5 of 600; the lr is constant, so any step is a valid
+# stop). STAGES=4 STOP4=120 gives v3 (the previous shipped draft), STAGES=3 v2, 2 v1, 1 v0. Runs
+# repeat the recipe, not the bits: v0 was trained on the same 591 rows in the cache's completion
+# order (the snapshot holds them in pool order), and of v4's 1,737 answers the first 1,145 came
+# from the float32 target and the rest from the bfloat16 one (each answer records its dtype).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -34,8 +35,11 @@ STEPS3=${STEPS3:-160}         # stage 3: optimizer steps of 16 sequences, offlin
 LIMIT4=${LIMIT4:-1123}        # stage 4: the first N prompts, GSM8K train first
 VOCAB_K=${VOCAB_K:-8192}      # stage 4: draft vocabulary size (at least)
 STEPS4=${STEPS4:-300}         # stage 4: the run's length in optimizer steps of 16 sequences (sets the warmup)
-STOP4=${STOP4:-120}           # stage 4: steps this invocation runs (constant lr: any step is a valid stop)
-STAGES=${STAGES:-4}
+STOP4=${STOP4:-140}           # stage 4: steps this invocation runs (constant lr: any step is a valid stop)
+LIMIT5=${LIMIT5:-1737}        # stage 5: the first N prompts, GSM8K train first
+STEPS5=${STEPS5:-600}         # stage 5: the run's length in optimizer steps (sets the warmup)
+STOP5=${STOP5:-210}           # stage 5: steps this invocation runs
+STAGES=${STAGES:-5}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
@@ -113,6 +117,21 @@ if [ "$STAGES" -ge 4 ]; then
         --lr_schedule constant --warmup_frac 0.03 --clip 1.0 --compute_dtype float32 --save_every 10 \
         --log_every 1 --eval_every 30 --seed 3 --stop_after "$STOP4"
     final="$RUN/distill-$NAME-4/export/step_$(printf %07d "$STOP4")"
+fi
+
+# (5c) stage 5 (v4, STAGES=5): more GSM8K-train answers (the bf16 target: 2.5x the answers per
+# CPU-hour, docs/profile.md), stage 4's draft trained on them with the bf16 online teacher
+# (benchmarks.teacher_cost: the cheapest teacher per sequence here), constant lr, fresh optimizer
+if [ "$STAGES" -ge 5 ]; then
+    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 32 --temperature 0 --first_sources gsm8k_train \
+        --archive datasets/answers-smollm2-135m --limit "$LIMIT5" --snapshot "$RUN/answers-gsm-$LIMIT5.jsonl"
+    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$RUN/answers-gsm-$LIMIT5.jsonl" \
+        --init_from "$final" --run_dir "$RUN/distill-$NAME-5" --total_steps "$STEPS5" --global_batch 16 \
+        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
+        --clip 1.0 --compute_dtype float32 --save_every 10 --log_every 1 --eval_every 30 --seed 4 \
+        --stop_after "$STOP5"
+    final="$RUN/distill-$NAME-5/export/step_$(printf %07d "$STOP5")"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
