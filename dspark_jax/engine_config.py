@@ -87,8 +87,9 @@ class EngineConfig:
 
 def define_flags(flag_values=None, **defaults) -> None:
     """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs,
-    --max_model_len (ATOM's names) and --speculative_disable_by_batch_size (vLLM's). `defaults` overrides a default where a program's purpose
-    differs (serve.plan plans Kimi-K3 deployments at ATOM's page size and context)."""
+    --max_model_len (ATOM's names) and --speculative_disable_by_batch_size (vLLM's). `defaults`
+    overrides a default where a program's purpose differs (serve.plan plans Kimi-K3 deployments at
+    ATOM's page size and context)."""
     from absl import flags
 
     fv = flag_values or flags.FLAGS

@@ -125,8 +125,8 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
     # part of what a compiled engine is; slots, capacity and when to speculate are the batcher's
-    key = (id(draft), config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None), *sampling_key(temperature, top_p),
-           kernel_mode(), mla_paged_min_keys())
+    programs = config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None)
+    key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:
         eng = per_target[key] = Engine(target, draft, config, temperature=temperature, top_p=top_p)
