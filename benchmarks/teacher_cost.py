@@ -170,9 +170,6 @@ class ShardBatches:
     def __iter__(self):
         return iter(self.batches)
 
-    def __getitem__(self, i):
-        return self.batches[i]
-
 
 def _train_seconds(cfg, draft, target, batches, *, online: bool, clock) -> float:
     """Seconds per sequence of whole training steps (the first step compiles and is not timed)."""
