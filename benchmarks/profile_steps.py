@@ -55,7 +55,9 @@ _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: a temp dir)")
 _VARIANTS = flags.DEFINE_string("variants", "declared", "comma-separated engine variants, timed interleaved in "
                                 "one process: 'declared' (the params as declared, [out, in], one GEMM per "
-                                "weight), 'serving' (Engine's serving layout: fused q|k|v and gate|up, [in, out])")
+                                "weight), 'serving' (Engine's serving layout: fused q|k|v and gate|up, [in, out]), "
+                                "'fp32_cache' (the declared params over a float32 KV cache instead of the "
+                                "model dtype's)")
 
 GROUPS = ("projections", "attention", "lm_head", "cache writes", "gathers", "norms/activations",
           "sampling/acceptance", "other")
@@ -458,7 +460,8 @@ def main(argv):
     results = {}
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         cfg = EngineConfig(num_speculative_tokens=_T.value, page_size=16)
-        engines = {v: Engine(target, draft, cfg, serving_layout=(v == "serving"))
+        engines = {v: Engine(target, draft, cfg.replace(kv_cache_dtype="fp32") if v == "fp32_cache" else cfg,
+                             serving_layout=(v == "serving"))
                    for v in _VARIANTS.value.split(",")}
         results[b] = profile_batch(engines, b, _T.value, _CONTEXT.value, _REPS.value, _TRACE_REPS.value, root,
                                    vocab)

@@ -188,10 +188,11 @@ class Batcher:
         self._turn += 1
         active = np.array([s is not None and s.sampling == (temperature, top_p) for s in self.slots])
         eng, t = self.engine, self.engine.t
-        span = self._span(int(self.lens[active].max()) + t + 1)
-        given = logits = limits = None
         off = self.disable_by_batch_size
         plain = bool(t) and off is not None and int(active.sum()) >= off
+        # a one-token step needs no room for drafts: the span bucket a plain engine would use
+        span = self._span(int(self.lens[active].max()) + (0 if plain else t) + 1)
+        given = logits = limits = None
         if plain:     # no drafts this step: a one-token step (the draft's context rows are still written)
             given = jnp.zeros((self.num_slots, 0), jnp.int32)
         elif self.proposer is not None:

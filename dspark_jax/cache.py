@@ -5,6 +5,9 @@ through one block table per sequence. For the kimi family, rows are the target's
 the draft's layers, each row 576 wide (`[c_kv | k_pe]`); the draft binds into the target's pages
 (same block table, same positions). For the llama family a row holds `[k | v]` of one layer.
 Optional fp8 storage (e4m3fn, static scale 1.0: `store = fp8(x / 1.0)`, `load = fp8 * 1.0`).
+On CPU, bf16 and fp8 pages are kept as their bit patterns (`bits_storage`): XLA:CPU runs a
+scatter into a 16- or 8-bit float array on an f32 copy of the whole array, so every cache write
+would convert the whole pool; an unsigned-integer scatter writes just the rows.
 
 `KDAStates`: per KDA layer the conv window and the fp32 SSM state of every sequence. Verify steps
 compute one snapshot per forwarded token; after acceptance the sequence keeps snapshot n, so
@@ -22,6 +25,28 @@ import numpy as np
 
 FP8 = jnp.float8_e4m3fn
 FP8_SCALE = 1.0   # ATOM's static per-tensor scale (spec E.4)
+
+
+# the unsigned integers that hold a narrow float's bit pattern, and back
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(FP8): jnp.dtype(jnp.uint8)}
+_VALUES = {bits: value for value, bits in _BITS.items()}
+
+
+def bits_storage(dtype) -> jnp.dtype:
+    """The pool's storage dtype for values of `dtype`: bf16 and fp8 as same-width unsigned integers
+    (their bit patterns), anything else as itself."""
+    return _BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
+def value_dtype(storage) -> jnp.dtype:
+    """The dtype of the values a pool of `storage` dtype holds (inverse of `bits_storage`)."""
+    return _VALUES.get(jnp.dtype(storage), jnp.dtype(storage))
+
+
+def as_values(pages: jax.Array) -> jax.Array:
+    """Pages as the values they hold (a bitcast of bit-pattern storage; free)."""
+    value = value_dtype(pages.dtype)
+    return pages if value == pages.dtype else jax.lax.bitcast_convert_type(pages, value)
 
 
 def storage_dtype(kv_cache_dtype: str, compute_dtype) -> jnp.dtype:
@@ -83,17 +108,20 @@ class PagedPool(NamedTuple):
         if valid_BT is not None:
             keep = keep & valid_BT
         page = jnp.where(keep, page, self.pages.shape[1])                # out of range -> dropped
-        vals = (values_BTW.astype(jnp.float32) / FP8_SCALE).astype(self.pages.dtype) \
-            if self.pages.dtype == FP8 else values_BTW.astype(self.pages.dtype)
+        value = value_dtype(self.pages.dtype)
+        vals = (values_BTW.astype(jnp.float32) / FP8_SCALE).astype(value) \
+            if value == FP8 else values_BTW.astype(value)
+        if value != self.pages.dtype:
+            vals = jax.lax.bitcast_convert_type(vals, self.pages.dtype)
         pages = self.pages.at[row, page, off].set(vals, mode="drop")
         return self._replace(pages=pages)
 
     def read(self, row: int | jax.Array, dtype, width: int | None = None) -> jax.Array:
         """Every sequence's rows in logical order: `[B, max_len, width]` (position i at index i)."""
-        rows = self.pages[row][self.block_table]            # [B, pages_per_seq, page_size, W]
+        rows = as_values(self.pages[row][self.block_table])  # [B, pages_per_seq, page_size, W]
         b, n, ps, w = rows.shape
         rows = rows.reshape(b, n * ps, w)[..., :width or w]
-        if self.pages.dtype == FP8:
+        if rows.dtype == FP8:
             return (rows.astype(jnp.float32) * FP8_SCALE).astype(dtype)
         return rows.astype(dtype)
 

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dspark_jax import steps
-from dspark_jax.cache import KDAStates, PagedPool, TargetCaches, storage_dtype
+from dspark_jax.cache import KDAStates, PagedPool, TargetCaches, bits_storage, storage_dtype
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.sampling import sample_tokens
@@ -56,10 +56,10 @@ class Engine:
         self.page_size = config.page_size
         self.compute_dtype = target.dtype
         self.store_dtype = storage_dtype(config.kv_cache_dtype, self.compute_dtype)
-        if config.kv_cache_dtype == "auto" and self.store_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-            # XLA:CPU converts a whole bf16 pool around every cache write and read (docs/profile.md);
-            # the rows written are bf16 values, exact in float32, so the cache holds the same numbers
-            self.store_dtype = jnp.dtype(jnp.float32)
+        if jax.default_backend() == "cpu":
+            # bf16/fp8 pages as their bit patterns: XLA:CPU would convert the whole pool around
+            # every cache write (cache.bits_storage); the stored numbers are the same
+            self.store_dtype = bits_storage(self.store_dtype)
         if draft is not None:
             self._check_pair(target, draft)
         if config.schedule is not None and (draft is None or not draft.cfg.enable_confidence_head):

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import jax
 
+from dspark_jax.cache import as_values
 from dspark_jax.kernels import block_sparse, kda_chunked, mla_paged, mla_prefill
 from dspark_jax.kernels import kda_reference
 
@@ -115,6 +116,7 @@ def mla_paged_attention(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
     """Latent MLA attention over the paged pool -> latent context [B,T,N,C] (see mla_paged).
     In `auto` mode spans shorter than `mla_paged_min_keys()` keys use the reference."""
     interpret = kernel_interpret()
+    pages = as_values(pages)                                 # bit-pattern storage (CPU) as its values
     span = block_table_BP.shape[1] * pages.shape[-2]        # static: keys the step may attend to
     if (interpret is None or not _fits(interpret, q_lat_BTNC.shape[-1], q_rope_BTNR.shape[-1], pages.shape[-2])
             or (kernel_mode() == "auto" and span < mla_paged_min_keys())):

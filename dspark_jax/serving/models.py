@@ -22,6 +22,7 @@ from flax import nnx
 
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
+from dspark_jax.cache import value_dtype
 from dspark_jax.config import DraftConfig
 from dspark_jax.engine import pool_geometry
 from dspark_jax.engine_config import DTYPE_CHOICES, EngineConfig
@@ -158,7 +159,8 @@ def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: b
                         if config.disable_by_batch_size else ""))
     cache = f"kv cache: --kv_cache_dtype {config.kv_cache_dtype}"
     if store_dtype is not None:
-        cache += f" -> stored as {jax.numpy.dtype(store_dtype).name}"
+        stored, value = jax.numpy.dtype(store_dtype), value_dtype(store_dtype)
+        cache += f" -> stored as {value.name}" + (f" (bit patterns in {stored.name})" if stored != value else "")
     if pool:
         max_num_seqs, max_model_len = config.max_num_seqs, config.max_len_for(pair.target)
         cache += f", block_size {config.page_size}"
