@@ -215,3 +215,34 @@ def test_entry_point_dtype_choice(smollm2_dir):
     pair = load_pair(str(smollm2_dir), "smollm2-135m-dspark", dtype="bfloat16")
     assert pair.target.dtype == jnp.bfloat16
     assert pair.draft.context_proj.weight.get_value().dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cpu_cache_writes_convert_no_whole_pool(kv_cache_dtype):
+    """The compiled step of a bf16 engine on CPU (bf16 or fp8 cache) converts no array of the
+    pool's shape: XLA:CPU runs a scatter into a narrow-float array on an f32 copy of all of it,
+    which bit-pattern storage avoids (a bf16-typed pool shows such converts)."""
+    from flax import nnx
+
+    from dspark_jax.engine import cast_floating
+    from tests.gen_utils import tiny_draft, tiny_llama
+
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    for m in (target, draft):
+        nnx.update(m, cast_floating(nnx.state(m), jnp.bfloat16))
+    engine = Engine(target, draft, EngineConfig(num_speculative_tokens=3, kv_cache_dtype=kv_cache_dtype))
+    caches = engine.new_caches(2, 64)
+    shape = ",".join(str(d) for d in caches.pool.pages.shape)
+    x0, lens = jnp.ones((2,), jnp.int32), jnp.asarray([5, 7], jnp.int32)
+
+    def converts(pool_caches):
+        text = engine.step_jit.lower(engine.t_state, engine.d_state, x0, None, lens, jnp.ones((2,), bool),
+                                     jnp.int32(64), pool_caches, jax.random.PRNGKey(0)).compile().as_text()
+        return [ln for ln in text.splitlines() if f"[{shape}]" in ln and " convert(" in ln]
+
+    assert converts(caches) == []
+    # the check can fail: the same step over a pool typed as the values converts the whole pool
+    from dspark_jax.cache import as_values
+    typed = caches._replace(pool=caches.pool._replace(pages=as_values(caches.pool.pages)))
+    assert converts(typed) != []

@@ -116,14 +116,15 @@ def mla_paged_attention(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
     """Latent MLA attention over the paged pool -> latent context [B,T,N,C] (see mla_paged).
     In `auto` mode spans shorter than `mla_paged_min_keys()` keys use the reference."""
     interpret = kernel_interpret()
-    pages = as_values(pages)                                 # bit-pattern storage (CPU) as its values
     span = block_table_BP.shape[1] * pages.shape[-2]        # static: keys the step may attend to
     if (interpret is None or not _fits(interpret, q_lat_BTNC.shape[-1], q_rope_BTNR.shape[-1], pages.shape[-2])
             or (kernel_mode() == "auto" and span < mla_paged_min_keys())):
+        # the reference reads bit-pattern storage itself (PagedPool.read: gather, then bitcast),
+        # so no conversion touches pages outside the span
         return mla_paged.mla_paged_reference(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT,
                                              scale, causal=causal, row=row)
-    return mla_paged.mla_paged_kernel(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT, scale,
-                                      causal=causal, row=row, interpret=interpret)
+    return mla_paged.mla_paged_kernel(q_lat_BTNC, q_rope_BTNR, as_values(pages), block_table_BP, positions_BT,
+                                      scale, causal=causal, row=row, interpret=interpret)
 
 
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, k_nope_BSNH: jax.Array,
