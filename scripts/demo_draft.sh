@@ -10,11 +10,11 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v4: this script's output with the
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v5: this script's output with the
 # defaults below (stage 5 stopped at step STOP5 of 600; the lr is constant, so any step is a valid
-# stop). STAGES=4 STOP4=120 gives v3 (the previous shipped draft), STAGES=3 v2, 2 v1, 1 v0. Runs
+# stop). STOP5=210 gives v4 (the previous shipped draft), STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs
 # repeat the recipe, not the bits: v0 was trained on the same 591 rows in the cache's completion
-# order (the snapshot holds them in pool order), and of v4's 1,737 answers the first 1,145 came
+# order (the snapshot holds them in pool order), and of v4/v5's 1,737 answers the first 1,145 came
 # from the float32 target and the rest from the bfloat16 one (each answer records its dtype).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
@@ -38,7 +38,7 @@ STEPS4=${STEPS4:-300}         # stage 4: the run's length in optimizer steps of 
 STOP4=${STOP4:-140}           # stage 4: steps this invocation runs (constant lr: any step is a valid stop)
 LIMIT5=${LIMIT5:-1737}        # stage 5: the first N prompts, GSM8K train first
 STEPS5=${STEPS5:-600}         # stage 5: the run's length in optimizer steps (sets the warmup)
-STOP5=${STOP5:-210}           # stage 5: steps this invocation runs
+STOP5=${STOP5:-300}           # stage 5: steps this invocation runs (v4: 210)
 STAGES=${STAGES:-5}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
@@ -119,7 +119,7 @@ if [ "$STAGES" -ge 4 ]; then
     final="$RUN/distill-$NAME-4/export/step_$(printf %07d "$STOP4")"
 fi
 
-# (5c) stage 5 (v4, STAGES=5): more GSM8K-train answers (the bf16 target: 2.5x the answers per
+# (5c) stage 5 (v5, STAGES=5; v4 = STOP5=210): more GSM8K-train answers (the bf16 target: 2.5x the answers per
 # CPU-hour, docs/profile.md), stage 4's draft trained on them with the bf16 online teacher
 # (benchmarks.teacher_cost: the cheapest teacher per sequence here), constant lr, fresh optimizer
 if [ "$STAGES" -ge 5 ]; then
