@@ -19,7 +19,7 @@
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
-# holds the lr after warmup. The warm-vs-random ablation at equal CPU time: scripts/ablate_warm_start.sh.
+# holds the lr after warmup. The ablations at equal CPU time (vocabulary, warm start): scripts/ablate.sh.
 # The DFlash-style ablation (no Markov head; the confidence head then reads h_k only), trained the
 # same way as v0 on the same answers:  ABLATION=1 STAGES=1 scripts/demo_draft.sh
 set -euo pipefail

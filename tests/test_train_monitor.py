@@ -216,6 +216,34 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
     assert "eval/accept_at_1" in tb and "train/lr" in tb
 
 
+def test_cpu_budget_stops_the_run_and_its_total_survives_resumption(pair, samples, tmp_path):
+    """Equal-CPU-time ablations: each step records its process CPU seconds and the running total;
+    a budget stops the run at the first step that reaches it, with a checkpoint there; a resumed
+    run continues the total instead of starting it again."""
+    target, draft = pair
+    run_dir = tmp_path / "run"
+    cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=6, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
+                        compute_dtype="float32", save_every=1000, export=False, lr_schedule="constant",
+                        loss=L.LossConfig(num_anchors=16))
+
+    def trainer():
+        return T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
+
+    first = T.run(trainer(), T.SampleSource(samples, 0), cpu_budget=1e-9)   # spent by the first step
+    assert [m["step"] for m in first] == [1]
+    assert first[0]["step_cpu_seconds"] > 0 and first[0]["cpu_seconds"] == first[0]["step_cpu_seconds"]
+    again = trainer()
+    assert T.run(again, T.SampleSource(samples, 0), cpu_budget=1e-9) == []   # already spent: no step
+    assert int(again.state.step) == 1                                        # it restored the budget stop
+    spent = first[0]["cpu_seconds"]
+    rest = T.run(trainer(), T.SampleSource(samples, 0), cpu_budget=spent + 1e6)   # runs to total_steps
+    assert [m["step"] for m in rest] == [2, 3, 4, 5, 6]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["cpu_seconds"] for r in rows] == pytest.approx(np.cumsum([r["step_cpu_seconds"] for r in rows]).tolist(),
+                                                             rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # the program: flags
 

@@ -96,6 +96,9 @@ flags.DEFINE_string("eval_prompts_file", None, "Held-out prompts JSONL instead o
 flags.DEFINE_integer("eval_max_new_tokens", 128, "Tokens generated per held-out prompt.", lower_bound=1)
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out prompts per generate() call.", lower_bound=1)
 flags.DEFINE_integer("stop_after", None, "Stop after this many steps in this invocation (resume later).")
+flags.DEFINE_float("cpu_budget", None, "Stop (save, export) once the run's training steps have used this many "
+                   "process CPU seconds in all (recorded per step in metrics.jsonl; evaluation not counted): "
+                   "equal-CPU-time ablations.", lower_bound=1.0)
 flags.mark_flags_as_required(["run_dir"])
 
 
@@ -128,6 +131,8 @@ def main(argv: list[str]) -> None:
         draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
     elif not FLAGS.init_from:
         raise app.UsageError("--draft_config or --init_from is required")
+    if FLAGS.cpu_budget and settings.multi_process:
+        raise app.UsageError("--cpu_budget is single-process only (one process keeps the CPU total)")
     if FLAGS.eval_every and settings.multi_process:
         raise app.UsageError("--eval_every is single-process only (the draft is sharded over hosts)")
     if FLAGS.lr_schedule == "constant" and FLAGS.min_lr_frac:
@@ -218,7 +223,7 @@ def main(argv: list[str]) -> None:
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
             f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
-    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator)
+    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator, cpu_budget=FLAGS.cpu_budget)
     if settings.multi_process:
         _export_multihost(trainer, Path(FLAGS.run_dir), log)
     log("done")
@@ -287,7 +292,8 @@ _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "
               "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len", "num_anchors",
               "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
               "seed", "save_every", "log_every", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
-              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab"}
+              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab",
+              "cpu_budget"}
 
 
 if __name__ == "__main__":

@@ -430,10 +430,26 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
 
-def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=None) -> list[dict]:
+def _cpu_seconds_so_far(path: Path) -> float:
+    """The run's cumulative training CPU seconds: the last metrics row's `cpu_seconds`."""
+    last = 0.0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                last = json.loads(line).get("cpu_seconds", last)
+    return last
+
+
+def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=None,
+        cpu_budget: float | None = None) -> list[dict]:
     """Train to `cfg.total_steps` (or `stop_after` more steps), resuming from the run dir's
     latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
-    {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps."""
+    {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps.
+
+    Every step records its process CPU seconds (all threads; evaluation excluded) and the run's
+    running total `cpu_seconds`, which survives resumption; with `cpu_budget` the run saves,
+    exports and stops at the first step that brings the total to the budget (the equal-CPU-time
+    ablations compare runs whose steps cost differently)."""
     cfg = trainer.cfg
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -449,6 +465,7 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
         _truncate_metrics(metrics_path, start)
         from tensorboardX import SummaryWriter
         tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
+    cpu_total = _cpu_seconds_so_far(metrics_path) if lead else 0.0
     offline = not trainer.online
     evals = None
     if evaluator is not None and cfg.eval_every > 0 and lead:
@@ -456,17 +473,25 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
         evals = EvalHistory(run_dir)
         done = {r["step"] for r in evals.truncate(start)}
         if start not in done:        # the curve's first point: the initial (or restored) weights
-            _evaluate(trainer, evaluator, evals, tb, start, None)
+            _evaluate(trainer, evaluator, evals, tb, start, None, cpu_total)
     history = []
     end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
     t_start, last_saved = time.time(), start
+    if cpu_budget is not None and cpu_total >= cpu_budget:
+        trainer.log(f"CPU budget {cpu_budget:.0f}s already spent ({cpu_total:.0f}s at step {start})")
+        end = start
     try:
         for step in range(start, end):
+            c0 = time.process_time()
             batch = collate(source.take(cfg.global_batch), cfg, offline)
             t0 = time.time()
             m = trainer.step(batch)
             m["step"] = step + 1
             m["step_seconds"] = time.time() - t0
+            m["step_cpu_seconds"] = time.process_time() - c0
+            cpu_total += m["step_cpu_seconds"]
+            m["cpu_seconds"] = cpu_total
+            over_budget = cpu_budget is not None and cpu_total >= cpu_budget
             history.append(m)
             if lead:
                 with open(metrics_path, "a") as f:
@@ -483,13 +508,17 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
                             f"acc@1 {m['accept@1']:.3f} top1 {m['top1_acc']:.3f} agree {m['teacher_agreement']:.3f} "
                             f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {m['step_seconds']:.2f}s/step "
                             f"ETA {_fmt_eta(eta)}")
-            if evals is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.total_steps):
-                _evaluate(trainer, evaluator, evals, tb, step + 1, m.get("tau_probabilistic"))
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps:
+            if evals is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.total_steps
+                                      or over_budget):
+                _evaluate(trainer, evaluator, evals, tb, step + 1, m.get("tau_probabilistic"), cpu_total)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps or over_budget:
                 trainer.save({"data_position": source.position, "step": step + 1})
                 last_saved = step + 1
                 if cfg.export:
                     _export_latest(trainer, run_dir, step + 1)
+            if over_budget:
+                trainer.log(f"CPU budget spent: {cpu_total:.0f}s of training CPU time at step {step + 1}")
+                break
     finally:
         if tb is not None:
             tb.close()
@@ -498,11 +527,12 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
     return history
 
 
-def _evaluate(trainer: Trainer, evaluator, evals, tb, step: int, train_tau: float | None) -> None:
+def _evaluate(trainer: Trainer, evaluator, evals, tb, step: int, train_tau: float | None,
+              cpu_seconds: float | None = None) -> None:
     """One held-out eval of the current weights: a row in eval.jsonl, TensorBoard eval/*, the PNG."""
     res = evaluator(trainer.draft())
     row = {"step": step, "sequences_seen": step * trainer.cfg.global_batch, **res,
-           "train_tau": None if train_tau is None else float(train_tau)}
+           "train_tau": None if train_tau is None else float(train_tau), "cpu_seconds": cpu_seconds}
     evals.append(row)
     tb.add_scalar("eval/tok_per_fwd", res["tok_per_fwd"], step)
     tb.add_scalar("eval/acceptance_rate", res["acceptance_rate"], step)
