@@ -34,7 +34,7 @@ from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
 from dspark_jax.layers.norms import RMSNorm, rms_norm
-from dspark_jax.numerics import acc_dtype, einsum_acc, linear_acc
+from dspark_jax.numerics import einsum_acc, linear_acc
 from dspark_jax.sampling import markov_draft
 
 
@@ -106,9 +106,8 @@ class MarkovHead(nnx.Module):
         return jnp.take(self.markov_w1.weight.get_value(), prev_ids, axis=0)
 
     def __call__(self, prev_ids: jax.Array) -> jax.Array:
-        w2_VR = self.markov_w2.weight.get_value()
-        acc = acc_dtype(w2_VR)
-        return jnp.einsum("...r,vr->...v", self.prev_features(prev_ids).astype(acc), w2_VR.astype(acc))
+        # a projection of W1[prev] by W2 (bf16 weights: the native GEMM, no f32 copy of W2 per call)
+        return linear_acc(self.prev_features(prev_ids), self.markov_w2.weight.get_value())
 
 
 class ConfidenceHead(nnx.Module):
