@@ -6,7 +6,9 @@
 
 Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio, tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
-tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it). With
+tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it), and the
+wall time per decode step inside the compiled step (dispatch + wait) and outside it (prefill, the
+host loop, set-up), for the best round of each variant. With
 `--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
 t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. With
 `--speculative_disable_by_batch_size N` also speculation switched off while N or more sequences
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchmarks.steps_timing import CompileClock, make_engine, random_target, step_costs
+from benchmarks.steps_timing import CompileClock, StepClock, make_engine, random_target, step_costs
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
 _DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark",
@@ -82,7 +84,7 @@ def main(argv):
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
     # prompts of other lengths than the warm-up's meet new span buckets and compile inside the timed
     # runs; the rates are reported over the wall time and over the wall time less that compilation
-    clock = CompileClock()
+    clock, steps = CompileClock(), StepClock()
     results = []
     for b in [int(x) for x in _BATCHES.value.split(",")]:
         row = {"batch_size": b, "draft": draft_name}
@@ -114,6 +116,7 @@ def main(argv):
                 run(prompts[:b])           # warm-up compiles every shape this run uses
             produced, elapsed, stats = 0, 0.0, None
             clock.reset()
+            steps.reset()
             for i in range(0, len(prompts), b):
                 res, dt = _timed(lambda: run(prompts[i:i + b]))
                 produced += sum(len(o.token_ids) for o in res.outputs)
@@ -125,6 +128,10 @@ def main(argv):
             row[f"{name}_tokens_per_s"] = produced / elapsed
             row[f"{name}_compile_s"] = comp
             row[f"{name}_tokens_per_s_compiled"] = produced / max(elapsed - comp, 1e-9)
+            # where the wall time went: the decode steps (a compiling step included) and the rest
+            row[f"{name}_steps"] = steps.steps
+            row[f"{name}_ms_per_step"] = 1e3 * steps.seconds / max(steps.steps, 1)
+            row[f"{name}_ms_per_step_outside"] = 1e3 * (elapsed - steps.seconds) / max(steps.steps, 1)
             if d is not None:
                 row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
                 row[f"{name}_drafts_verified_per_step"] = stats["total_draft_tokens"] / max(stats["num_verify_steps"], 1)
@@ -136,7 +143,9 @@ def main(argv):
                 f"{row['plain_tokens_per_s_compiled']:.1f}, speculative {row['speculative_tokens_per_s_compiled']:.1f} "
                 f"tok/s, ratio {row['speedup_compiled']:.2f}x | "
                 f"tok/fwd {row['speculative_tok_per_fwd']:.2f} | draft share of a step {share:.1%} | "
-                f"break-even tok/fwd {break_even:.2f}")
+                f"break-even tok/fwd {break_even:.2f} | per decode step, in the step + outside it: plain "
+                f"{row['plain_ms_per_step']:.1f} + {row['plain_ms_per_step_outside']:.1f} ms, speculative "
+                f"{row['speculative_ms_per_step']:.1f} + {row['speculative_ms_per_step_outside']:.1f} ms")
         if _SCHED.value:
             row["scheduled_speedup"] = row["scheduled_tokens_per_s"] / row["plain_tokens_per_s"]
             line += (f" | scheduled {row['scheduled_tokens_per_s']:.1f} tok/s ({row['scheduled_speedup']:.2f}x, "

@@ -40,6 +40,31 @@ class CompileClock:
         self.seconds = 0.0
 
 
+class StepClock:
+    """Wall seconds spent in `Engine.step` calls from `reset()` on (the dispatch and the wait for
+    the step's tokens, which the batcher reads at once anyway) and their count; the rest of a
+    `generate()` call is prefill, the host loop and set-up. Wraps `Engine.step` for the process."""
+
+    def __init__(self):
+        import jax
+
+        from dspark_jax.engine import Engine
+        self.seconds, self.steps = 0.0, 0
+        inner = Engine.step
+
+        def step(eng, *args, **kw):
+            t0 = time.perf_counter()
+            out = inner(eng, *args, **kw)
+            jax.block_until_ready(out[:2])
+            self.seconds += time.perf_counter() - t0
+            self.steps += 1
+            return out
+        Engine.step = step
+
+    def reset(self) -> None:
+        self.seconds, self.steps = 0.0, 0
+
+
 def make_engine(target, draft, t: int, page_size: int = 16):
     """The greedy Engine generate() uses for this pair and T (shared, so its compiles are too)."""
     from dspark_jax.engine_config import EngineConfig
