@@ -10,7 +10,8 @@
 # every step's), so the cheaper reduced-vocabulary steps get more of them. The held-out served
 # tok/fwd (GSM8K test 60..67, T=0, 7 drafts) is measured every $EVAL_EVERY steps; at the end
 # benchmarks.acceptance measures the three final drafts side by side, and a table prints each run's
-# steps, CPU time and curve. Resumable: rerun the same command after an interruption.
+# steps, CPU time and curve ($RUN/ablations.png: held-out tok/fwd vs training CPU minutes).
+# Resumable: rerun the same command after an interruption.
 #     nohup scripts/ablate.sh > runs/ablate/log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,12 +53,25 @@ for name in $RUNS; do drafts="$drafts${drafts:+,}$(last_export "$RUN/$name")"; d
 python - "$RUN" $RUNS <<'PY'
 import json, sys
 from pathlib import Path
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 run = Path(sys.argv[1])
 def rows(p):
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
 for name in sys.argv[2:]:
     m, ev = rows(run / name / "metrics.jsonl"), rows(run / name / "eval.jsonl")
     print(f"{name:15s} {len(m)} steps, {m[-1]['cpu_seconds']:.0f} CPU-s ({m[-1]['cpu_seconds'] / len(m):.1f} per step, "
           f"{sum(r['step_seconds'] for r in m) / 60:.1f} min wall); held-out tok/fwd by CPU-s: "
           + ", ".join(f"{r['cpu_seconds'] or 0:.0f}:{r['tok_per_fwd']:.3f}" for r in ev))
+    ax.plot([(r["cpu_seconds"] or 0) / 60 for r in ev], [r["tok_per_fwd"] for r in ev], "o-", label=name)
+ax.set_xlabel("training CPU minutes (process CPU time, both cores)")
+ax.set_ylabel("held-out served tok/fwd (8 GSM8K-test prompts, T=7)")
+ax.set_title("ablations at equal CPU time (scripts/ablate.sh)")
+ax.grid(alpha=0.3)
+ax.legend(loc="lower right")
+fig.tight_layout()
+fig.savefig(run / "ablations.png")
+print(f"curves: {run / 'ablations.png'}")
 PY
