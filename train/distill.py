@@ -23,6 +23,9 @@ Monitoring: --eval_every N measures the served tok/fwd of the current weights (T
 generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, outside the
 acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
+--cpu_budget S stops (saving and exporting) once the training steps have used S process CPU seconds
+in all; metrics.jsonl records every step's and the running total (scripts/ablate.sh: equal-CPU-time
+ablations).
 
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
