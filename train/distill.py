@@ -90,6 +90,8 @@ flags.DEFINE_enum("compute_dtype", "auto", ["auto", "bfloat16", "float32"],
 flags.DEFINE_integer("seed", 0, "Init, data order and anchor sampling seed.")
 flags.DEFINE_integer("save_every", 100, "Checkpoint (and export) every N steps.")
 flags.DEFINE_integer("log_every", 1, "Log every N steps.")
+flags.DEFINE_integer("keep_exports", 1, "Exports kept, the newest (train.average averages the last few).",
+                     lower_bound=1)
 flags.DEFINE_integer("eval_every", 0, "Held-out served tok/fwd every N steps (0: off).", lower_bound=0)
 flags.DEFINE_integer("eval_num_prompts", 8, "Held-out GSM8K-test prompts (from --eval_offset).", lower_bound=1)
 flags.DEFINE_integer("eval_offset", 60, "First held-out GSM8K-test prompt (>= 60: benchmarks.acceptance "
@@ -191,7 +193,7 @@ def main(argv: list[str]) -> None:
         max_len=FLAGS.max_len, lr=FLAGS.lr, warmup_frac=FLAGS.warmup_frac, min_lr_frac=FLAGS.min_lr_frac,
         clip_norm=FLAGS.clip, weight_decay=FLAGS.weight_decay, compute_dtype=_compute_dtype(), seed=FLAGS.seed,
         log_every=FLAGS.log_every, save_every=FLAGS.save_every, lr_schedule=FLAGS.lr_schedule,
-        eval_every=FLAGS.eval_every,
+        eval_every=FLAGS.eval_every, keep_exports=FLAGS.keep_exports,
         # the per-checkpoint export reads every parameter on the host: multi-host exports once, below
         export=not settings.multi_process,
         loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma))
@@ -294,7 +296,7 @@ def _compute_dtype() -> str:
 _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "resume_torchspec",
               "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len", "num_anchors",
               "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
-              "seed", "save_every", "log_every", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
+              "seed", "save_every", "log_every", "keep_exports", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
               "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab",
               "cpu_budget"}
 

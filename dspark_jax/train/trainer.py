@@ -26,7 +26,7 @@
   `<run_dir>/eval.jsonl` (truncated to the restored step on resume), TensorBoard `eval/*`, and
   `<run_dir>/learning_curve.png` (tok/fwd vs sequences seen) redrawn after each eval.
 - Export: the draft in the torch layout (bf16, TorchSpec metadata) to `<run_dir>/export/step_N`
-  at every checkpoint (older exports removed) and at the end.
+  at every checkpoint and at the end; the newest `keep_exports` are kept (for `train.average`).
 
 One module although it is over 450 lines: the step, its gradient accumulation, checkpointing,
 export and the held-out evaluation hooks share the trainer's state and run as one loop.
@@ -83,6 +83,7 @@ class TrainConfig:
     eval_every: int = 0                    # held-out served tok/fwd every N steps (0: off)
     keep_checkpoints: int = 2
     export: bool = True
+    keep_exports: int = 1                  # exports kept (the newest), e.g. to average the last few
     loss: loss_lib.LossConfig = loss_lib.LossConfig()
 
     @property
@@ -552,7 +553,9 @@ def _export_latest(trainer: Trainer, run_dir: Path, step: int) -> None:
     if dst.exists():
         return
     trainer.export(dst)
-    for old in root.iterdir():
-        if old.is_dir() and old.name.startswith("step_") and old != dst:
-            shutil.rmtree(old, ignore_errors=True)
+    others = sorted(d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and d != dst)
+    older = [d for d in others if d.name < dst.name]
+    redone = [d for d in others if d.name > dst.name]      # steps a resumed run is doing again
+    for old in redone + older[:max(0, len(older) - (trainer.cfg.keep_exports - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
     trainer.log(f"exported the draft (torch layout) to {dst}")
