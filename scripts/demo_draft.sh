@@ -43,7 +43,7 @@ STEPS5=${STEPS5:-600}         # stage 5: the run's length in optimizer steps (se
 STOP5=${STOP5:-300}           # stage 5: steps this invocation runs (v5: 300, v4: 210)
 LIMIT6=${LIMIT6:-2400}        # stage 6: the first N prompts, GSM8K train first
 STEPS6=${STEPS6:-900}         # stage 6: the run's length in optimizer steps (sets the warmup)
-STOP6=${STOP6:-140}         # stage 6: steps this invocation runs (v6: 140)
+STOP6=${STOP6:-140}           # stage 6: steps this invocation runs (v6: 140)
 AVG6=${AVG6:-5}               # stage 6: the shipped draft is the mean of the last AVG6 exports (10 steps apart)
 STAGES=${STAGES:-6}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
@@ -81,6 +81,19 @@ distill() {   # run dir, steps, anchors, data flags (resumes from the run dir's 
         --eval_every "$EVAL_EVERY" "$@"
 }
 last_export() { ls -d "$1"/export/step_* | sort | tail -1; }
+gsm_answers() {   # the first $1 prompts, GSM8K train first, answered by the $2 target $3 at a time, frozen
+    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
+        --dtype "$2" --max_new_tokens 256 --batch_size "$3" --temperature 0 --first_sources gsm8k_train \
+        --archive datasets/answers-smollm2-135m --limit "$1" --snapshot "$RUN/answers-gsm-$1.jsonl"
+}
+distill_gsm() {   # stage, answers, total steps, steps this run, compute dtype, seed, more flags: from $final
+    local stage=$1 limit=$2 steps=$3 stop=$4 dtype=$5 seed=$6; shift 6
+    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$RUN/answers-gsm-$limit.jsonl" \
+        --init_from "$final" --run_dir "$RUN/distill-$NAME-$stage" --total_steps "$steps" --global_batch 16 \
+        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
+        --clip 1.0 --compute_dtype "$dtype" --save_every 10 --log_every 1 --eval_every 30 --seed "$seed" \
+        --stop_after "$stop" "$@"
+}
 
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
@@ -112,9 +125,7 @@ fi
 # down to it (train.distill --init_from v2 --draft_vocab) and trained STEPS4 steps at a constant lr
 # with the held-out eval every 30 steps
 if [ "$STAGES" -ge 4 ]; then
-    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
-        --dtype float32 --max_new_tokens 256 --batch_size 32 --temperature 0 --first_sources gsm8k_train \
-        --archive datasets/answers-smollm2-135m --limit "$LIMIT4" --snapshot "$RUN/answers-gsm-$LIMIT4.jsonl"
+    gsm_answers "$LIMIT4" float32 32
     python -m train.vocab --data "$RUN/answers-gsm-$LIMIT4.jsonl" --vocab_size 49152 --coverage 0.995 \
         --always 2,0 --min_size "$VOCAB_K" --out "$RUN/vocab-gsm-$LIMIT4-$VOCAB_K.json"
     python -m train.distill --target smollm2-135m --target_dtype float32 --data "$RUN/answers-gsm-$LIMIT4.jsonl" \
@@ -129,14 +140,8 @@ fi
 # CPU-hour, docs/profile.md), stage 4's draft trained on them with the bf16 online teacher
 # (benchmarks.teacher_cost: the cheapest teacher per sequence here), constant lr, fresh optimizer
 if [ "$STAGES" -ge 5 ]; then
-    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
-        --dtype bfloat16 --max_new_tokens 256 --batch_size 32 --temperature 0 --first_sources gsm8k_train \
-        --archive datasets/answers-smollm2-135m --limit "$LIMIT5" --snapshot "$RUN/answers-gsm-$LIMIT5.jsonl"
-    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$RUN/answers-gsm-$LIMIT5.jsonl" \
-        --init_from "$final" --run_dir "$RUN/distill-$NAME-5" --total_steps "$STEPS5" --global_batch 16 \
-        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
-        --clip 1.0 --compute_dtype float32 --save_every 10 --log_every 1 --eval_every 30 --seed 4 \
-        --stop_after "$STOP5"
+    gsm_answers "$LIMIT5" bfloat16 32
+    distill_gsm 5 "$LIMIT5" "$STEPS5" "$STOP5" float32 4
     final="$RUN/distill-$NAME-5/export/step_$(printf %07d "$STOP5")"
 fi
 
@@ -145,14 +150,8 @@ fi
 # (about 20 % faster per step than float32 on a CPU with AVX512-BF16), the last exports kept and
 # averaged (train.average: at a constant lr the mean of the last few accepts more than the last one)
 if [ "$STAGES" -ge 6 ]; then
-    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
-        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 --first_sources gsm8k_train \
-        --archive datasets/answers-smollm2-135m --limit "$LIMIT6" --snapshot "$RUN/answers-gsm-$LIMIT6.jsonl"
-    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$RUN/answers-gsm-$LIMIT6.jsonl" \
-        --init_from "$final" --run_dir "$RUN/distill-$NAME-6" --total_steps "$STEPS6" --global_batch 16 \
-        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
-        --clip 1.0 --compute_dtype bfloat16 --save_every 10 --keep_exports "$AVG6" --log_every 1 --eval_every 30 \
-        --seed 6 --stop_after "$STOP6"
+    gsm_answers "$LIMIT6" bfloat16 8
+    distill_gsm 6 "$LIMIT6" "$STEPS6" "$STOP6" bfloat16 6 --keep_exports "$AVG6"
     final="$RUN/distill-$NAME-6/average-$STOP6-last$AVG6"
     [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-6/export/step_*" --last "$AVG6" \
         --out "$final"
