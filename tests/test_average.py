@@ -96,4 +96,9 @@ def test_trainer_keeps_its_last_exports_and_the_program_averages_them(target, tm
     assert (tmp_path / "avg" / "model.safetensors").read_bytes() == want.file.path.read_bytes()
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode != 0 and "destination exists" in again.stderr
+    missing = subprocess.run(cmd[:3] + [f"--drafts={run_dir / 'export' / 'step_0000002'},{tmp_path / 'nothing'}",
+                                        f"--out={tmp_path / 'avg2'}"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode != 0 and "--drafts: no draft directory at" in missing.stderr
+    assert not (tmp_path / "avg2").exists()
     assert json.loads((tmp_path / "avg" / "config.json").read_text())["markov_rank"] == draft.cfg.raw["markov_rank"]

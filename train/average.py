@@ -9,12 +9,13 @@ average with `train.distill --keep_exports N`.
 
 from __future__ import annotations
 
-import glob
 import time
+from pathlib import Path
 
 from absl import app, flags
 
 from dspark_jax.checkpoint.average import average_torch_drafts
+from train.paths import expand
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("drafts", None, "torch-layout draft directories and globs, comma-separated", required=True)
@@ -22,21 +23,9 @@ flags.DEFINE_integer("last", None, "average only the last N of them", lower_boun
 flags.DEFINE_string("out", None, "directory to write (must not exist, or be empty)", required=True)
 
 
-def _expand(spec: str) -> list[str]:
-    out = []
-    for part in (x.strip() for x in spec.split(",")):
-        if not part:
-            continue
-        found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
-        if not found:
-            raise app.UsageError(f"--drafts: nothing matches {part!r}")
-        out += found
-    return out
-
-
 def main(argv):
     del argv
-    paths = _expand(FLAGS.drafts)
+    paths = expand(FLAGS.drafts, flag="drafts", what="draft directory", exists=Path.is_dir)
     if FLAGS.last is not None:
         paths = paths[-FLAGS.last:]
     if not paths:

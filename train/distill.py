@@ -35,7 +35,6 @@ device of the global mesh, and the torch-layout export is written once, by proce
 
 from __future__ import annotations
 
-import glob
 import json
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from dspark_jax.config import DraftConfig
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import regen, teacher, torchspec
 from dspark_jax.train import trainer as trainer_lib
+from train import paths
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
@@ -172,7 +172,8 @@ def main(argv: list[str]) -> None:
             set_vocab_map(init_draft, kept_ids)
     online = FLAGS.data is not None
     if online:
-        rows = [row for path in _data_files(FLAGS.data) for row in regen.read_cache(path)]
+        files = paths.expand(FLAGS.data, flag="data", what="regen cache", exists=Path.is_file)
+        rows = [row for path in files for row in regen.read_cache(path)]
         samples = list(regen.samples_from_cache(rows, max_len=FLAGS.max_len))
         source = trainer_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
         log(f"{len(samples)} samples from {FLAGS.data}")
@@ -272,19 +273,6 @@ def _pinned_vocab(path: str, run_dir: Path, vocab_size: int) -> list[int]:
         tmp.write_text(Path(path).read_text())
         tmp.replace(pinned)
     return kept
-
-
-def _data_files(spec: str) -> list[str]:
-    """--data: paths and globs, comma-separated, in the given order (a glob's matches sorted)."""
-    files = []
-    for part in (x.strip() for x in spec.split(",")):
-        if not part:
-            continue
-        found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part] if Path(part).is_file() else []
-        if not found:
-            raise app.UsageError(f"--data: no regen cache at {part!r}")
-        files += found
-    return files
 
 
 def _compute_dtype() -> str:
