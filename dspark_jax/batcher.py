@@ -175,8 +175,8 @@ class Batcher:
             for j, r in enumerate(reqs):
                 tokens[j, :len(r.prompt)] = r.prompt
                 lens[j], slots[j] = len(r.prompt), r.slot
-            first, self.caches = eng.prefill(tokens, lens, slots, self.caches, self._next_key(), temperature=temperature, top_p=top_p,
-                                             span=self._span(s))
+            first, self.caches = eng.prefill(tokens, lens, slots, self.caches, self._next_key(),
+                                             temperature=temperature, top_p=top_p, span=self._span(s))
             first = np.asarray(first)
             for j, r in enumerate(reqs):
                 self.lens[r.slot], self.x0[r.slot] = lens[j], first[j]
