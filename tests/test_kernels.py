@@ -16,7 +16,8 @@ import pytest
 from dspark_jax.cache import FP8, PagedPool
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_mask, block_sparse_reference,
-                                             multi_anchor_kernel, multi_anchor_reference)
+                                             multi_anchor_kernel, multi_anchor_reference,
+                                             multi_anchor_shared)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
@@ -24,6 +25,7 @@ from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
 from dspark_jax.layers.kda import kda_gate, l2_normalize
 from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
 from dspark_jax.layers.mla import causal_mask, split_kv_b
+from tests.float64 import x64
 
 # f32 compute: kernel and reference differ only in summation order / online-softmax rescaling,
 # ~1e-7 relative on O(1) outputs; 2e-5 leaves room without hiding a wrong mask (which moves
@@ -285,6 +287,28 @@ def test_multi_anchor_kernel_matches_training_attention():
     for name, g, gw in zip(("q_nope", "q_rope", "kv_ctx", "kv_blk", "w_uk", "w_uv"), grads, want):
         assert g.shape == gw.shape and np.any(np.asarray(gw) != 0)
         _close(g, gw, TOL_F32, f"d{name}")
+
+
+def test_multi_anchor_shared_context_is_the_reference_in_float64():
+    """The form training runs without a kernel (one product over the shared context rows per
+    sequence) equals the reference (a copy of the context per block), forward and every gradient,
+    in float64; blocks with context length 0 (dropped) and S (everything) included."""
+    rng = np.random.default_rng(3)
+    b, a, t, n, h, r, c, v, s = 2, 5, 4, 3, 8, 4, 6, 7, 11
+    with x64():
+        args = tuple(jnp.asarray(rng.standard_normal(shape)) for shape in
+                     ((b, a, t, n, h), (b, a, t, n, r), (b, s, c + r), (b, a, t, c + r), (n, h, c), (n, v, c)))
+        ctx_len = jnp.asarray(rng.integers(1, s, (b, a))).at[0, 1].set(0).at[1, 2].set(s)
+        shared = lambda *x: multi_anchor_shared(*x, ctx_len, 0.3)
+        reference = lambda *x: multi_anchor_reference(*x, ctx_len, 0.3)
+        out = jax.jit(shared)(*args)
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(reference)(*args)), rtol=1e-12, atol=1e-12)
+        w = jnp.asarray(rng.standard_normal(out.shape))
+        grads = jax.jit(lambda *x: (_grads(shared, x, w), _grads(reference, x, w)))(*args)
+        for name, g, gw in zip(("q_nope", "q_rope", "kv_ctx", "kv_blk", "w_uk", "w_uv"), *grads):
+            assert np.any(np.asarray(gw) != 0), name
+            np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -149,15 +149,18 @@ def _teacher(target, ids, valid, draft):
                                                               tuple(draft.cfg.target_layer_ids))
 
 
-def test_full_objective_matches_serving_block_and_numpy(pair, samples):
+@pytest.mark.parametrize("num_anchors", [6, 8])
+def test_full_objective_matches_serving_block_and_numpy(pair, samples, num_anchors):
     """Every anchor's draft logits equal the serving-side cacheless block pass over exactly the
     context rows before the anchor (so the training mask sees nothing at/after the anchor and no
-    other block); the loss terms then equal numpy on those logits and the target's lm_head."""
+    other block); the loss terms then equal numpy on those logits and the target's lm_head.
+    6 anchors: A*T = 42 < S = 48, the target's lm_head and softmax on the gathered rows; 8: A*T =
+    56 > S, on the S positions, then their rows gathered."""
     target, draft = pair
     ids, mask, valid = teacher.pad_batch(samples[:2], 48)
     tout = _teacher(target, ids, valid, draft)
     embed, head = teacher.frozen_tables(target)
-    cfg = L.LossConfig(num_anchors=6)       # A*T = 42 < S = 48: lm_head on the gathered rows
+    cfg = L.LossConfig(num_anchors=num_anchors)
     out = jax.jit(lambda *a: L.distill_outputs(draft, embed, head, *a, cfg))(
         jnp.asarray(ids), jnp.asarray(mask), tout.aux_BSA, tout.final_hidden_BSH, jax.random.PRNGKey(5))
     w1 = np.asarray(draft.markov_head.markov_w1.weight.get_value())

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from dspark_jax.kernels import mla_flash
 from dspark_jax.kernels.common import pad_to
-from dspark_jax.kernels.mla_reference import mla_attend_absorbed
+from dspark_jax.kernels.mla_reference import masked_softmax, mla_attend_absorbed
+from dspark_jax.numerics import einsum_acc
 
 
 def block_sparse_mask(anchors_BA: jax.Array, keep_BA: jax.Array, num_context: int, block_size: int) -> jax.Array:
@@ -157,6 +158,38 @@ def multi_anchor_reference(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_
     o_XTNV = mla_attend_absorbed(q_nope_BATNH.reshape(b * a, t, n, h), q_rope_BATNR.reshape(b * a, t, n, -1),
                                  kv_XKL.astype(q_nope_BATNH.dtype), mask_XTK, w_uk_NHC, w_uv_NVC, scale)
     return o_XTNV.reshape(b, a, t, n, -1)
+
+
+def multi_anchor_shared(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,
+                        kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
+                        ctx_len_BA: jax.Array, scale: float) -> jax.Array:
+    """`multi_anchor_reference` without a copy of the context per block: all A*T block rows of a
+    sequence score its S context rows in one product (and read them back in one), each block's
+    own rows separately, one softmax over both. The same attention (float64 tests); what the
+    training step runs where there is no kernel (XLA:CPU spent ~17 % of a step on the
+    reference's per-block copies of the context and their gradients)."""
+    b, a, t, n, _ = q_nope_BATNH.shape
+    s = kv_ctx_BSL.shape[1]
+    c = w_uk_NHC.shape[-1]
+    dtype = q_nope_BATNH.dtype
+    kv_ctx_BSL = kv_ctx_BSL.astype(kv_blk_BATL.dtype).astype(dtype)
+    kv_blk_BATL = kv_blk_BATL.astype(dtype)
+    q_lat_BATNC = einsum_acc("batnh,nhc->batnc", q_nope_BATNH, w_uk_NHC).astype(dtype)
+    scores_ctx_BATNS = (einsum_acc("batnc,bsc->batns", q_lat_BATNC, kv_ctx_BSL[..., :c])
+                        + einsum_acc("batnr,bsr->batns", q_rope_BATNR, kv_ctx_BSL[..., c:]))
+    kv_blk_XUL = kv_blk_BATL.reshape(b * a, t, -1)          # X = B*A blocks, U = a block's own rows
+    scores_blk_BATNU = (einsum_acc("xtnc,xuc->xtnu", q_lat_BATNC.reshape(b * a, t, n, c), kv_blk_XUL[..., :c])
+                        + einsum_acc("xtnr,xur->xtnu", q_rope_BATNR.reshape(b * a, t, n, -1), kv_blk_XUL[..., c:])
+                        ).reshape(b, a, t, n, t)
+    scores = jnp.concatenate([scores_ctx_BATNS, scores_blk_BATNU], axis=-1) * scale
+    ctx_BAS = jnp.arange(s)[None, None, :] < ctx_len_BA[..., None]
+    mask_BA11K = jnp.concatenate([ctx_BAS, jnp.ones((b, a, t), bool)], axis=-1)[:, :, None, None]
+    p = masked_softmax(scores, mask_BA11K).astype(dtype)
+    o_lat_BATNC = (einsum_acc("batns,bsc->batnc", p[..., :s], kv_ctx_BSL[..., :c])
+                   + einsum_acc("xtnu,xuc->xtnc", p[..., s:].reshape(b * a, t, n, t),
+                                kv_blk_XUL[..., :c]).reshape(b, a, t, n, c))
+    o_BATNV = einsum_acc("batnc,nvc->batnv", o_lat_BATNC.astype(w_uv_NVC.dtype), w_uv_NVC)
+    return o_BATNV.astype(dtype)
 
 
 def multi_anchor_kernel(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_ctx_BSL: jax.Array,

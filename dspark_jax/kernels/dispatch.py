@@ -163,9 +163,10 @@ def block_sparse_attention(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_
                            kv_blk_BATL: jax.Array, w_uk_NHC: jax.Array, w_uv_NVC: jax.Array,
                            ctx_len_BA: jax.Array, scale: float) -> jax.Array:
     """Draft training's multi-anchor attention -> [B, A, T, N, V], differentiable: block a sees
-    context rows < ctx_len[a] and its own rows (see block_sparse.multi_anchor_reference)."""
+    context rows < ctx_len[a] and its own rows (see block_sparse.multi_anchor_reference; without a
+    kernel: block_sparse.multi_anchor_shared, the same attention)."""
     interpret = kernel_interpret()
     args = (q_nope_BATNH, q_rope_BATNR, kv_ctx_BSL, kv_blk_BATL, w_uk_NHC, w_uv_NVC, ctx_len_BA, scale)
     if interpret is None or not _fits(interpret, q_nope_BATNH.shape[-1], q_rope_BATNR.shape[-1], w_uv_NVC.shape[1]):
-        return block_sparse.multi_anchor_reference(*args)
+        return block_sparse.multi_anchor_shared(*args)
     return block_sparse.multi_anchor_kernel(*args, interpret=interpret)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from dspark_jax.kernels import dispatch
 from dspark_jax.layers.mla import split_kv_b
 from dspark_jax.models.dspark import block_input_ids
-from dspark_jax.numerics import einsum_acc
+from dspark_jax.numerics import linear_acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +161,28 @@ def multi_anchor_hidden(draft, block_embeds_BATD: jax.Array, block_positions_BAT
     return h_XTD.reshape(b, a, t, d)
 
 
+class TeacherProbs(NamedTuple):
+    """The target's side of the per-token terms, row by row (a row's values depend on that row's
+    logits alone, so they can be computed per position and gathered for the blocks afterwards)."""
+    p_K: jax.Array         # [..., K] target probabilities of the draft's tokens (K = V unless reduced)
+    bucket: jax.Array      # [...] target mass outside the kept set (0 for a full-vocabulary draft)
+    top1: jax.Array        # [...] the target's argmax (a target id)
+
+
+def teacher_probs(target_logits_XV: jax.Array, draft_ids_K: jax.Array | None = None) -> TeacherProbs:
+    """Softmax of the target's logits over all V, cut to the draft vocabulary `draft_ids_K`
+    (ascending target ids; None: all of V) plus the bucket of the rest, in fp32 (float64 for
+    float64 inputs)."""
+    f32 = jnp.promote_types(target_logits_XV.dtype, jnp.float32)
+    p_XV = jax.nn.softmax(target_logits_XV.astype(f32), axis=-1)
+    top1 = jnp.argmax(p_XV, axis=-1)
+    if draft_ids_K is None:
+        return TeacherProbs(p_XV, jnp.zeros(p_XV.shape[:-1], f32), top1)
+    kept_V = jnp.zeros(p_XV.shape[-1], bool).at[draft_ids_K].set(True)
+    bucket = jnp.sum(jnp.where(kept_V, 0.0, p_XV), axis=-1)      # summed directly, not 1 - sum
+    return TeacherProbs(jnp.take(p_XV, draft_ids_K, axis=-1), bucket, top1)
+
+
 def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, conf_logit_BAT: jax.Array | None,
                 labels_BAT: jax.Array, draft_ids_K: jax.Array | None = None) -> TokenTerms:
     """CE (hard labels, Markov-biased logits), L1 between the full probability vectors,
@@ -171,12 +193,18 @@ def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, con
     those K tokens, `target_logits` over the full vocabulary; the target mass outside the kept set
     goes into one bucket where the draft has probability 0 (module docstring). The argmaxes are
     returned as target ids either way."""
+    return terms_from_teacher(draft_logits_BATV, teacher_probs(target_logits_BATV, draft_ids_K), conf_logit_BAT,
+                              labels_BAT, draft_ids_K)
+
+
+def terms_from_teacher(draft_logits_BATV: jax.Array, teacher: TeacherProbs, conf_logit_BAT: jax.Array | None,
+                       labels_BAT: jax.Array, draft_ids_K: jax.Array | None = None) -> TokenTerms:
+    """`token_terms` with the target's side already reduced to `teacher_probs` rows."""
     f32 = jnp.promote_types(draft_logits_BATV.dtype, jnp.float32)
     logp_BATV = jax.nn.log_softmax(draft_logits_BATV.astype(f32), axis=-1)
-    p_tgt_BATV = jax.nn.softmax(target_logits_BATV.astype(f32), axis=-1)
+    l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - teacher.p_K.astype(f32)), axis=-1) + teacher.bucket.astype(f32)
     if draft_ids_K is None:
         ce = -jnp.take_along_axis(logp_BATV, labels_BAT[..., None], axis=-1)[..., 0]
-        l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - p_tgt_BATV), axis=-1)
         draft_top1 = jnp.argmax(logp_BATV, axis=-1)
     else:
         k = draft_ids_K.shape[0]
@@ -184,10 +212,6 @@ def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, con
         in_set = jnp.take(draft_ids_K, lab_idx) == labels_BAT             # else: the bucket
         ce_kept = -jnp.take_along_axis(logp_BATV, lab_idx[..., None], axis=-1)[..., 0]
         ce = jnp.where(in_set, ce_kept, 0.0)
-        p_kept = jnp.take(p_tgt_BATV, draft_ids_K, axis=-1)
-        kept_V = jnp.zeros(p_tgt_BATV.shape[-1], bool).at[draft_ids_K].set(True)
-        p_bucket = jnp.sum(jnp.where(kept_V, 0.0, p_tgt_BATV), axis=-1)  # summed directly, not 1 - sum
-        l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - p_kept), axis=-1) + p_bucket
         draft_top1 = jnp.take(draft_ids_K, jnp.argmax(logp_BATV, axis=-1))
     accept = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)
     if conf_logit_BAT is None:
@@ -195,7 +219,7 @@ def token_terms(draft_logits_BATV: jax.Array, target_logits_BATV: jax.Array, con
     else:
         x, y = conf_logit_BAT.astype(jnp.float32), jax.lax.stop_gradient(accept)
         bce = jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
-    return TokenTerms(ce, l1, accept, bce, draft_top1, jnp.argmax(p_tgt_BATV, axis=-1))
+    return TokenTerms(ce, l1, accept, bce, draft_top1, teacher.top1)
 
 
 def reduce_terms(terms: TokenTerms, blocks: Blocks, cfg: LossConfig) -> LossSums:
@@ -241,21 +265,23 @@ def distill_outputs(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, input_ids
     # [B,A,T,K]: over the draft vocabulary (K = V unless reduced: only the kept tokens' lm_head
     # rows, the training-time saving); the teacher's logits below stay over all V
     draft_logits_BATV = draft.base_logits(h_BATD, lm_head_VD) + draft.markov_bias(blocks.prev_BAT)
-    # the target state at a+k is the one that predicted x_{a+k+1}; lm_head runs on whichever is
-    # smaller, the S positions or the A*T gathered rows (same values, row by row)
+    # the target state at a+k is the one that predicted x_{a+k+1}. Its lm_head and softmax over V
+    # run on whichever is fewer, the S positions or the A*T gathered rows (same values, row by
+    # row); only the rows cut to the draft vocabulary are gathered for the blocks
     t_idx = jnp.clip(blocks.positions_BAT, 0, s - 1).reshape(b, -1)
-    head = lambda h: einsum_acc("bxh,vh->bxv", h.astype(lm_head_VD.dtype), lm_head_VD)
+    ids_K = draft.draft_token_ids()
+    rows = lambda x: jnp.take_along_axis(x, t_idx.reshape(t_idx.shape + (1,) * (x.ndim - 2)), axis=1)
     if s < t_idx.shape[1]:
-        target_logits_BXV = jnp.take_along_axis(head(final_hidden_BSH), t_idx[..., None], axis=1)
+        teacher_BX = jax.tree.map(rows, teacher_probs(linear_acc(final_hidden_BSH, lm_head_VD), ids_K))
     else:
-        target_logits_BXV = head(jnp.take_along_axis(final_hidden_BSH, t_idx[..., None], axis=1))
-    target_logits_BATV = target_logits_BXV.reshape(blocks.positions_BAT.shape + target_logits_BXV.shape[-1:])
+        teacher_BX = teacher_probs(linear_acc(rows(final_hidden_BSH), lm_head_VD), ids_K)
+    teacher_BAT = jax.tree.map(lambda x: x.reshape(blocks.positions_BAT.shape + x.shape[2:]), teacher_BX)
     conf = None
     if dcfg.enable_confidence_head:
         a, t = blocks.prev_BAT.shape[1:]
         conf = draft.confidence_logit(h_BATD.reshape(b * a, t, -1), blocks.prev_BAT.reshape(b * a, t))
         conf = conf.reshape(b, a, t)
-    terms = token_terms(draft_logits_BATV, target_logits_BATV, conf, blocks.labels_BAT, draft.draft_token_ids())
+    terms = terms_from_teacher(draft_logits_BATV, teacher_BAT, conf, blocks.labels_BAT, ids_K)
     return DistillOutputs(blocks, terms, reduce_terms(terms, blocks, cfg))
 
 
