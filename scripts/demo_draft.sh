@@ -10,14 +10,16 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v6: this script's output with the
-# defaults below (stage 6 stopped at step STOP6 of 900, the mean of its last AVG6 exports; the lr
-# is constant, so any step is a valid stop). STAGES=5 gives v5 (the previous shipped draft),
-# STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v7: this script's output with the
+# defaults below (stage 7 stopped at step STOP7 of 900, the mean of its last AVG7 exports; the lr
+# is constant, so any step is a valid stop). STAGES=6 gives v6 (the previous shipped draft),
+# STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
 # the float32 target and the rest from the bfloat16 one (each answer records its dtype). v6 was
-# started from the shipped v5 file, which is stage 5's export at step 300.
+# started from the shipped v5 file, which is stage 5's export at step 300; v7 from the shipped v6
+# file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
+# faster training step (the same loss; the bf16 teacher lm_head's rounding differs).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -45,7 +47,11 @@ LIMIT6=${LIMIT6:-2400}        # stage 6: the first N prompts, GSM8K train first
 STEPS6=${STEPS6:-900}         # stage 6: the run's length in optimizer steps (sets the warmup)
 STOP6=${STOP6:-140}           # stage 6: steps this invocation runs (v6: 140)
 AVG6=${AVG6:-5}               # stage 6: the shipped draft is the mean of the last AVG6 exports (10 steps apart)
-STAGES=${STAGES:-6}
+LIMIT7=${LIMIT7:-3150}        # stage 7: the first N prompts, GSM8K train first
+STEPS7=${STEPS7:-900}         # stage 7: the run's length in optimizer steps (sets the warmup)
+STOP7=${STOP7:-130}           # stage 7: steps this invocation runs (v7: 130)
+AVG7=${AVG7:-5}               # stage 7: the mean of the last AVG7 exports
+STAGES=${STAGES:-7}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
@@ -154,6 +160,16 @@ if [ "$STAGES" -ge 6 ]; then
     distill_gsm 6 "$LIMIT6" "$STEPS6" "$STOP6" bfloat16 6 --keep_exports "$AVG6"
     final="$RUN/distill-$NAME-6/average-$STOP6-last$AVG6"
     [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-6/export/step_*" --last "$AVG6" \
+        --out "$final"
+fi
+
+# (5e) stage 7 (v7, STAGES=7): more GSM8K-train answers, stage 6's mean trained on them the same
+# way (fresh optimizer, seed 7), the mean of its last exports
+if [ "$STAGES" -ge 7 ]; then
+    gsm_answers "$LIMIT7" bfloat16 8
+    distill_gsm 7 "$LIMIT7" "$STEPS7" "$STOP7" bfloat16 7 --keep_exports "$AVG7"
+    final="$RUN/distill-$NAME-7/average-$STOP7-last$AVG7"
+    [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-7/export/step_*" --last "$AVG7" \
         --out "$final"
 fi
 
