@@ -100,6 +100,15 @@ distill_gsm() {   # stage, answers, total steps, steps this run, compute dtype, 
         --clip 1.0 --compute_dtype "$dtype" --save_every 10 --log_every 1 --eval_every 30 --seed "$seed" \
         --stop_after "$stop" "$@"
 }
+averaged_gsm() {   # stage, answers, total steps, steps this run, exports averaged, seed: bf16 answers 8 at a
+    # time and bf16 compute, from $final; sets $final to the mean of the last exports
+    local stage=$1 limit=$2 steps=$3 stop=$4 avg=$5 seed=$6
+    gsm_answers "$limit" bfloat16 8
+    distill_gsm "$stage" "$limit" "$steps" "$stop" bfloat16 "$seed" --keep_exports "$avg"
+    final="$RUN/distill-$NAME-$stage/average-$stop-last$avg"
+    [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-$stage/export/step_*" --last "$avg" \
+        --out "$final"
+}
 
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
@@ -156,21 +165,13 @@ fi
 # (about 20 % faster per step than float32 on a CPU with AVX512-BF16), the last exports kept and
 # averaged (train.average: at a constant lr the mean of the last few accepts more than the last one)
 if [ "$STAGES" -ge 6 ]; then
-    gsm_answers "$LIMIT6" bfloat16 8
-    distill_gsm 6 "$LIMIT6" "$STEPS6" "$STOP6" bfloat16 6 --keep_exports "$AVG6"
-    final="$RUN/distill-$NAME-6/average-$STOP6-last$AVG6"
-    [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-6/export/step_*" --last "$AVG6" \
-        --out "$final"
+    averaged_gsm 6 "$LIMIT6" "$STEPS6" "$STOP6" "$AVG6" 6
 fi
 
 # (5e) stage 7 (v7, STAGES=7): more GSM8K-train answers, stage 6's mean trained on them the same
 # way (fresh optimizer, seed 7), the mean of its last exports
 if [ "$STAGES" -ge 7 ]; then
-    gsm_answers "$LIMIT7" bfloat16 8
-    distill_gsm 7 "$LIMIT7" "$STEPS7" "$STOP7" bfloat16 7 --keep_exports "$AVG7"
-    final="$RUN/distill-$NAME-7/average-$STOP7-last$AVG7"
-    [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-7/export/step_*" --last "$AVG7" \
-        --out "$final"
+    averaged_gsm 7 "$LIMIT7" "$STEPS7" "$STOP7" "$AVG7" 7
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
