@@ -21,6 +21,8 @@ from dspark_jax.errors import RequestError
 from dspark_jax.schedule import verify_lengths
 from dspark_jax.stats import SpecStats
 
+_KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
+
 
 @dataclass(eq=False)
 class Request:
@@ -255,9 +257,6 @@ class Batcher:
         r.finish_reason = reason
         self.slots[r.slot] = None
         r.slot = None
-
-
-_KEYS_PER_SPLIT = 64
 
 
 def pow2(n: int) -> int:

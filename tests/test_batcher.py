@@ -149,6 +149,22 @@ def test_mixed_sampling_groups_keep_greedy_rows_exact(llama):
     assert any(reqs[i].tokens != want[i] for i in (1, 3))
 
 
+def test_step_keys_are_fresh_past_a_split_and_follow_the_seed(llama):
+    """The batcher splits its PRNG keys off in chunks: across more than one chunk every program
+    call still gets a key of its own, and the stream is the seed's (the same again for the same
+    seed, another for another seed)."""
+    _, engines = llama
+
+    def draw(seed, n):
+        b = Batcher(engines[T], 1, 64, seed=seed)
+        return [tuple(int(x) for x in b._next_key()) for _ in range(n)]
+
+    keys = draw(5, 150)
+    assert len(set(keys)) == 150 and all(len(k) == 2 for k in keys)
+    assert keys == draw(5, 150)
+    assert not set(keys) & set(draw(6, 150))
+
+
 def test_bad_request_rejected_at_add(llama):
     _, engines = llama
     b = Batcher(engines[T], 2, 64)
