@@ -137,13 +137,23 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
 # request helpers shared with the server and the benchmark
 
 
+# tokenizers per target: loading SmolLM2's tokenizer.json took ~130 ms, paid by every generate()
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
 def tokenizer_for(target):
-    """The tokenizer of a target loaded with `load_target` (None if its directory is unknown)."""
+    """The tokenizer of a target loaded with `load_target` (None if its directory is unknown),
+    loaded once per target and directory."""
     source = source_of(target)
     if source is None:
         return None
+    cached = _TOKENIZERS.get(target)
+    if cached is not None and cached[0] == source:
+        return cached[1]
     from dspark_jax.tokenizer import load_tokenizer
-    return load_tokenizer(source)
+    tok = load_tokenizer(source)
+    _TOKENIZERS[target] = (source, tok)
+    return tok
 
 
 def eos_ids(target, tokenizer) -> set[int]:

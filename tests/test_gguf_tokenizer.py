@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -429,3 +430,25 @@ def test_kimi_k3_directory_without_template_or_special_tokens_is_an_error(tmp_pa
 def test_load_tokenizer_needs_tokenizer_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no tokenizer.json or tiktoken.model"):
         load_tokenizer(tmp_path)
+
+
+def test_tokenizer_for_loads_once_per_target_and_directory(smollm2_dir: Path, tmp_path: Path) -> None:
+    """generate() asks for the target's tokenizer on every call: it is loaded once per target
+    (a reload cost ~130 ms a call), and again when the target's directory changes."""
+    from dspark_jax.generate import tokenizer_for
+    from dspark_jax.sources import register_source
+
+    class Model:       # stands for a loaded target: only its identity and directory matter here
+        pass
+
+    a, b = Model(), Model()
+    assert tokenizer_for(a) is None                      # built in memory: no directory, no tokenizer
+    register_source(a, smollm2_dir)
+    register_source(b, smollm2_dir)
+    tok = tokenizer_for(a)
+    assert tokenizer_for(a) is tok and tokenizer_for(b) is not tok
+    assert tokenizer_for(b).encode("The capital of France is") == tok.encode("The capital of France is")
+    copy = tmp_path / "copy"
+    shutil.copytree(smollm2_dir, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    register_source(a, copy)
+    assert tokenizer_for(a) is not tok
