@@ -146,14 +146,15 @@ def main(argv):
         # buckets of prompts the warm-up did not have) are left out while any other is left.
         rounds = list(zip(row["speculative_tokens_per_s_by_round"], row["plain_tokens_per_s_by_round"],
                           row["speculative_compile_s_by_round"], row["plain_compile_s_by_round"]))
-        clean = [r for r in rounds if r[2] < 0.1 and r[3] < 0.1] or rounds
-        by_round = sorted(sp / pl for sp, pl, _, _ in clean)
+        clean = [r for r in rounds if r[2] < 0.1 and r[3] < 0.1]
+        by_round = sorted(sp / pl for sp, pl, _, _ in clean or rounds)
+        which = "without compilation" if clean else "all compiled"
         row["speedup_by_round"] = by_round
         row["speedup_median_of_rounds"] = statistics.median(by_round)
         row["speedup_compiled"] = row["speculative_tokens_per_s_compiled"] / row["plain_tokens_per_s_compiled"]
         line = (f"batch {b}: plain {row['plain_tokens_per_s']:.1f} tok/s | speculative "
                 f"{row['speculative_tokens_per_s']:.1f} tok/s | ratio {row['speedup']:.2f}x (within a round: median "
-                f"{row['speedup_median_of_rounds']:.2f}x of {len(by_round)} without compilation, "
+                f"{row['speedup_median_of_rounds']:.2f}x of {len(by_round)} {which}, "
                 f"{by_round[0]:.2f}-{by_round[-1]:.2f}) | "
                 f"less compilation "
                 f"({row['plain_compile_s']:.1f} s / {row['speculative_compile_s']:.1f} s): plain "
