@@ -12,7 +12,7 @@
 # draft. Outputs stay under runs/ (gitignored).
 # The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v8: this script's output with the
 # defaults below (stage 8 stopped at step STOP8 of 900, the mean of its last AVG8 exports; the lr
-# is constant, so any step is a valid stop). STAGES=7 gives v7 (the previous shipped draft), 6 v6,
+# is constant, so any step is a valid stop). STAGES=7 gives v7 (the previous shipped draft), STAGES=6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
