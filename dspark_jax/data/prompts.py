@@ -1,10 +1,11 @@
 """The distillation prompt pool (DESIGN §6): sources, filtering, JSONL output.
 
-Sources: GSM8K train, MATH train, IFEval prompts (all registry-fetched, sha256-checked) and code
-prompts built from the running interpreter's standard-library docstrings. Filtering, in order:
-image-bearing rows (where the row has image fields), benchmark contamination (13-gram overlap with
-GSM8K test, HumanEval, MT-Bench and AIME if given), exact duplicates, near duplicates (shingle
-Jaccard >= 0.8), then an optional per-source cap after a seeded shuffle. The output is a seeded
+Sources: GSM8K train, MATH train, IFEval prompts (all registry-fetched, sha256-checked), code
+prompts built from the running interpreter's standard-library docstrings, and (on request, not in
+the default pool) `magpie`: chat requests the target wrote itself (`dspark_jax.data.magpie`).
+Filtering, in order: image-bearing rows (where the row has image fields), benchmark contamination
+(13-gram overlap with GSM8K test, HumanEval, MT-Bench and AIME if given), exact duplicates, near
+duplicates (shingle Jaccard >= 0.8), then an optional per-source cap after a seeded shuffle. The output is a seeded
 shuffle of the survivors, one `{"id", "source", "messages": [{"role": "user", "content"}]}` per line.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from dspark_jax.data import benchmarks, dedup, registry
+from dspark_jax.data import benchmarks, dedup, magpie, registry
 
 POOL_SOURCES = ("gsm8k_train", "math_train", "ifeval", "stdlib_code")
 
@@ -171,12 +172,24 @@ def stdlib_code_prompts(stdlib_dir: str | os.PathLike | None = None) -> list[Pro
     return rows
 
 
-def load_sources(sources: Sequence[str] = POOL_SOURCES, **fetch_kw: Any) -> dict[str, list[PromptRow]]:
+def load_magpie(cache: str | os.PathLike | None) -> list[PromptRow]:
+    """The accepted requests of a `python -m train.magpie` query cache."""
+    if cache is None:
+        raise ValueError("the magpie source needs the query cache of `python -m train.magpie` "
+                         "(--magpie_cache)")
+    if not Path(cache).exists():
+        raise FileNotFoundError(f"{cache}: no such magpie query cache")
+    return [PromptRow(i, "magpie", q) for i, q in magpie.queries(cache)]
+
+
+def load_sources(sources: Sequence[str] = POOL_SOURCES, *, magpie_cache: str | os.PathLike | None = None,
+                 **fetch_kw: Any) -> dict[str, list[PromptRow]]:
     loaders: dict[str, Callable[[], list[PromptRow]]] = {
         "gsm8k_train": lambda: load_gsm8k_train(**fetch_kw),
         "math_train": lambda: load_math_train(**fetch_kw),
         "ifeval": lambda: load_ifeval(**fetch_kw),
         "stdlib_code": stdlib_code_prompts,
+        "magpie": lambda: load_magpie(magpie_cache),
     }
     unknown = [s for s in sources if s not in loaders]
     if unknown:
@@ -263,11 +276,12 @@ def write_jsonl(records: Iterable[Mapping[str, Any]], path: str | os.PathLike) -
 
 def build_prompt_pool(*, sources: Sequence[str] = POOL_SOURCES, max_per_source: int | None = None,
                       aime_file: str | os.PathLike | None = None, seed: int = 0,
+                      magpie_cache: str | os.PathLike | None = None,
                       log: Callable[[str], None] | None = None, **fetch_kw: Any) -> PoolResult:
     """Fetch every source and benchmark set, then `build_pool`."""
     say = log or (lambda _: None)
     say(f"loading prompt sources: {', '.join(sources)}")
-    rows = load_sources(sources, **fetch_kw)
+    rows = load_sources(sources, magpie_cache=magpie_cache, **fetch_kw)
     say("loading benchmark sets for decontamination")
     contamination = benchmarks.contamination_texts(aime_file, **fetch_kw)
     return build_pool(rows, contamination, max_per_source=max_per_source, seed=seed, log=log)

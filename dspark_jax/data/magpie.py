@@ -1,0 +1,230 @@
+"""Chat prompts written by the target itself (the Magpie method, Xu et al. 2024).
+
+An instruction-tuned target that is given its chat template only up to the opening of a user turn
+continues with a user request drawn from what it was tuned on. Sampled at temperature ~1 and cut
+at the end of the turn, those requests are chat-like prompts without any external prompt set: the
+pool's other sources are maths, code and IFEval, none of them conversation, and no package
+registry ships an open chat-prompt set. The requests then go through the pool's usual filters
+(`python -m train.prompts --sources magpie`: decontamination against the benchmarks, duplicates)
+and `train.regen` answers them like any other prompt.
+
+Query cache (JSONL, appended as requests finish, fsync'ed; resumable):
+
+    {"id": "magpie/<seed>-<n>", "text": str, "query": str | null, "finish_reason": "stop" | "length",
+     "num_tokens": int}
+
+`query` is the cleaned request, or null where it was rejected (cut at max_new_tokens, too short,
+template markup). `<cache>.meta.json` pins the sampling settings; resuming with others is refused.
+Each resumed round seeds its sampler with the number of rows already cached, so a resume never
+replays the samples it has.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+FORMAT = "dspark_jax.magpie"
+VERSION = 1
+MIN_CHARS = 16
+MAX_CHARS = 2000
+_SENTINEL = "\x00MAGPIE-USER-TURN\x00"
+
+
+@dataclass(frozen=True)
+class MagpieSettings:
+    target: str
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    prefix_sha256: str
+    format: str = FORMAT
+    version: int = VERSION
+
+
+def query_prefix(tokenizer) -> str:
+    """The chat template rendered up to where a user's words begin (system prompt included where
+    the template adds a default one)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not render the user's message verbatim; "
+                         "cannot find where a user turn starts")
+    prefix = text[:text.index(_SENTINEL)]
+    if not prefix:
+        raise ValueError("the chat template puts nothing before the user's message: no turn opener to "
+                         "continue from")
+    return prefix
+
+
+def prefix_sha256(tokenizer) -> str:
+    return hashlib.sha256(query_prefix(tokenizer).encode("utf-8")).hexdigest()
+
+
+def clean_query(text: str, finish_reason: str, *, min_chars: int = MIN_CHARS,
+                max_chars: int = MAX_CHARS) -> str | None:
+    """The request if it is one: the turn ended on its own (not cut at the token limit), holds
+    no chat-template markup, has letters and a sensible length; else None."""
+    q = text.strip()
+    if finish_reason != "stop" or not min_chars <= len(q) <= max_chars:
+        return None
+    if "<|" in q or "|>" in q or not any(c.isalpha() for c in q):
+        return None
+    return q
+
+
+def meta_path(cache: str | os.PathLike) -> Path:
+    return Path(str(cache) + ".meta.json")
+
+
+def read_cache(cache: str | os.PathLike) -> list[dict]:
+    """Complete lines of a query cache (a torn last line is ignored)."""
+    path = Path(cache)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    data = data[:data.rfind(b"\n") + 1]
+    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+
+
+def queries(cache: str | os.PathLike) -> list[tuple[str, str]]:
+    """(id, request) of the cache's accepted rows, in cache order."""
+    return [(r["id"], r["query"]) for r in read_cache(cache) if r.get("query")]
+
+
+def _check_meta(cache: Path, settings: MagpieSettings) -> None:
+    mp = meta_path(cache)
+    want = asdict(settings)
+    if mp.exists():
+        have = json.loads(mp.read_text())
+        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+        if diff:
+            raise ValueError(f"{cache}: sampled with other settings {diff} (have, want); use another --out")
+        return
+    tmp = mp.with_name(mp.name + ".tmp")
+    tmp.write_text(json.dumps(want, indent=1) + "\n")
+    os.replace(tmp, mp)
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    if path.exists():
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            with open(path, "rb+") as f:
+                f.truncate(end)
+
+
+def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: int,
+                   settings: MagpieSettings, batch_size: int = 8, max_samples: int | None = None,
+                   log: Callable[[str], None] | None = None) -> dict:
+    """Sample requests into `cache` until it holds `num_queries` accepted ones. Returns counts.
+    Gives up (RuntimeError) after `max_samples` samples in this call (default 10 per missing
+    request): a model that is not instruction-tuned rarely closes a user turn."""
+    from dspark_jax.batcher import Batcher, Request
+    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.generate import engine_for, eos_ids, output_text
+
+    cache = Path(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    if settings.prefix_sha256 != prefix_sha256(tokenizer):
+        raise ValueError("settings.prefix_sha256 is not this tokenizer's query prefix")
+    _check_meta(cache, settings)
+    _truncate_torn_tail(cache)
+    rows = read_cache(cache)
+    accepted = sum(bool(r.get("query")) for r in rows)
+    counts = {"cached_before": len(rows), "accepted_before": accepted, "sampled": 0, "accepted": 0}
+    if accepted >= num_queries:
+        return counts
+    budget = max_samples if max_samples is not None else 10 * (num_queries - accepted)
+    prompt = tokenizer.encode(query_prefix(tokenizer))
+    eos = frozenset(eos_ids(target, tokenizer))
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature,
+                        settings.top_p)
+    max_len = len(prompt) + settings.max_new_tokens + 1
+    t0 = last_log = time.time()
+    with open(cache, "a", encoding="utf-8") as f:
+        while accepted < num_queries:
+            if counts["sampled"] >= budget:
+                raise RuntimeError(
+                    f"{cache}: {counts['accepted']} of {counts['sampled']} samples were usable requests "
+                    f"(the turn must end within {settings.max_new_tokens} tokens); is {settings.target} "
+                    "an instruction-tuned model with a chat template?")
+            # a round asks for what is missing (a little more: some samples are rejected); its
+            # sampler is seeded by the rows already cached, so no round repeats another
+            n = len(rows)
+            want = num_queries - accepted
+            batcher = Batcher(engine, batch_size, max_len, seed=settings.seed * 1_000_003 + n)
+            for i in range(min(want + want // 4 + 1, budget - counts["sampled"])):
+                batcher.add(Request(list(prompt), settings.max_new_tokens, settings.temperature,
+                                    settings.top_p, eos, index=i))
+            while batcher.has_work() and accepted < num_queries:
+                done = [r for r in batcher.step() if r.finish_reason is not None]
+                lines = []
+                for req in done:
+                    text = output_text(req.tokens, tokenizer, eos, [])
+                    query = clean_query(text, req.finish_reason)
+                    row = {"id": f"magpie/{settings.seed}-{len(rows):06d}", "text": text, "query": query,
+                           "finish_reason": req.finish_reason, "num_tokens": len(req.tokens)}
+                    rows.append(row)
+                    lines.append(json.dumps(row, ensure_ascii=False))
+                    accepted += query is not None
+                    counts["sampled"] += 1
+                    counts["accepted"] += query is not None
+                if lines:
+                    f.write("\n".join(lines) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                if log and lines and (time.time() - last_log > 30 or accepted >= num_queries):
+                    last_log = time.time()
+                    dt = last_log - t0
+                    rate = counts["accepted"] / dt
+                    log(f"{accepted}/{num_queries} requests ({counts['accepted']}/{counts['sampled']} "
+                        f"accepted this run, {rate:.2f}/s), ETA "
+                        f"{(num_queries - accepted) / max(rate, 1e-9) / 60:.1f} min")
+    return counts
+
+
+def write_archive(cache: str | os.PathLike, archive: str | os.PathLike) -> int:
+    """The cache and its settings as one reproducible gzip (small enough to commit: sampled
+    requests differ from CPU to CPU, so a fresh machine restores them instead of resampling)."""
+    rows = read_cache(cache)
+    meta = json.loads(meta_path(cache).read_text()) if meta_path(cache).exists() else None
+    archive = Path(archive)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    data = json.dumps({"meta": meta}) + "\n" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as g:
+        g.write(data.encode("utf-8"))
+    os.replace(tmp, archive)
+    return len(rows)
+
+
+def restore_archive(archive: str | os.PathLike, cache: str | os.PathLike) -> int:
+    """Write the archive's rows as `cache` where the cache has fewer; returns the rows restored."""
+    with gzip.open(archive, "rt", encoding="utf-8") as g:
+        lines = [line for line in g if line.strip()]
+    if not lines or "meta" not in json.loads(lines[0]):
+        raise ValueError(f"{archive}: not a query archive (no settings line first)")
+    meta = json.loads(lines[0])["meta"]
+    rows = [json.loads(line) for line in lines[1:]]
+    cache = Path(cache)
+    have = read_cache(cache)
+    if len(have) >= len(rows):
+        return 0
+    if [r["id"] for r in have] != [r["id"] for r in rows[:len(have)]]:
+        raise ValueError(f"{cache}: its rows are not a prefix of {archive}'s; move it away to restore")
+    if meta is not None:
+        if meta_path(cache).exists() and json.loads(meta_path(cache).read_text()) != meta:
+            raise ValueError(f"{cache}: sampled with other settings than {archive}")
+        meta_path(cache).write_text(json.dumps(meta, indent=1) + "\n")
+    tmp = cache.with_name(cache.name + ".restore.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, cache)
+    return len(rows) - len(have)
