@@ -26,9 +26,12 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+# the same cache conventions as the answer cache: appended JSONL, settings pinned beside it
+from dspark_jax.train.regen import check_meta, meta_path, read_cache, repair_tail
 
 FORMAT = "dspark_jax.magpie"
 VERSION = 1
@@ -79,46 +82,9 @@ def clean_query(text: str, finish_reason: str, *, min_chars: int = MIN_CHARS,
     return q
 
 
-def meta_path(cache: str | os.PathLike) -> Path:
-    return Path(str(cache) + ".meta.json")
-
-
-def read_cache(cache: str | os.PathLike) -> list[dict]:
-    """Complete lines of a query cache (a torn last line is ignored)."""
-    path = Path(cache)
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    data = data[:data.rfind(b"\n") + 1]
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
-
-
 def queries(cache: str | os.PathLike) -> list[tuple[str, str]]:
     """(id, request) of the cache's accepted rows, in cache order."""
     return [(r["id"], r["query"]) for r in read_cache(cache) if r.get("query")]
-
-
-def _check_meta(cache: Path, settings: MagpieSettings) -> None:
-    mp = meta_path(cache)
-    want = asdict(settings)
-    if mp.exists():
-        have = json.loads(mp.read_text())
-        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-        if diff:
-            raise ValueError(f"{cache}: sampled with other settings {diff} (have, want); use another --out")
-        return
-    tmp = mp.with_name(mp.name + ".tmp")
-    tmp.write_text(json.dumps(want, indent=1) + "\n")
-    os.replace(tmp, mp)
-
-
-def _truncate_torn_tail(path: Path) -> None:
-    if path.exists():
-        data = path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            with open(path, "rb+") as f:
-                f.truncate(end)
 
 
 def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: int,
@@ -135,8 +101,8 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     cache.parent.mkdir(parents=True, exist_ok=True)
     if settings.prefix_sha256 != prefix_sha256(tokenizer):
         raise ValueError("settings.prefix_sha256 is not this tokenizer's query prefix")
-    _check_meta(cache, settings)
-    _truncate_torn_tail(cache)
+    check_meta(cache, settings)
+    repair_tail(cache)
     rows = read_cache(cache)
     accepted = sum(bool(r.get("query")) for r in rows)
     counts = {"cached_before": len(rows), "accepted_before": accepted, "sampled": 0, "accepted": 0}

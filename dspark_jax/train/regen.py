@@ -100,7 +100,7 @@ def order_by_source(records: Sequence[Mapping[str, Any]], first: Sequence[str]) 
     return sorted(records, key=lambda r: rank.get(r.get("source"), len(first)))
 
 
-def _repair_tail(path: Path) -> None:
+def repair_tail(path: Path) -> None:
     """Drop a last line without its newline (the process died mid-write)."""
     if not path.exists():
         return
@@ -207,7 +207,8 @@ def restore_cache(archive_dir: str | os.PathLike, cache: str | os.PathLike) -> i
     return len(archived)
 
 
-def _check_meta(path: Path, settings: RegenSettings) -> None:
+def check_meta(path: Path, settings) -> None:
+    """Pin a cache's settings (a dataclass) in its `.meta.json`, or refuse ones that differ."""
     mp = meta_path(path)
     want = asdict(settings)
     if mp.exists():
@@ -259,8 +260,8 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     from dspark_jax.engine_config import EngineConfig
     from dspark_jax.generate import default_max_len, encode_prompt, engine_for, eos_ids, output_text
 
-    _check_meta(out, settings)
-    _repair_tail(out)
+    check_meta(out, settings)
+    repair_tail(out)
     done = {r["id"] for r in read_cache(out)}
     todo = [r for r in records if r["id"] not in done]
     counts = {"cached_before": len(done), "todo": len(todo), "written": 0, "dropped": 0, "tokens": 0}
