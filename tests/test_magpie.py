@@ -134,8 +134,10 @@ def test_sample_queries_gives_up_on_a_model_that_never_ends_the_turn(tmp_path, t
 
 def test_archive_round_trip_and_refusals(tmp_path, tokenizer, fake_decoding):
     cache, archive = tmp_path / "q.jsonl", tmp_path / "a" / "q.jsonl.gz"
-    magpie.sample_queries(TARGET, tokenizer, cache, num_queries=4, settings=_settings(tokenizer))
-    n = magpie.write_archive(cache, archive)
+    magpie.sample_queries(TARGET, tokenizer, cache, num_queries=4, settings=_settings(tokenizer),
+                          on_write=lambda: magpie.write_archive(cache, archive))
+    n = len(magpie.read_cache(cache))
+    assert magpie.restore_archive(archive, tmp_path / "from_on_write.jsonl") == n   # written at the end
     first = archive.read_bytes()
     assert magpie.write_archive(cache, archive) == n and archive.read_bytes() == first   # reproducible
 

@@ -9,7 +9,7 @@
 The target continues its chat template from the opening of a user turn (dspark_jax/data/magpie.py);
 requests that end their turn on their own are kept. Rerun the same command to continue after an
 interruption. With --archive the cache is restored from that gzip first (sampled requests differ
-from CPU to CPU, so a fresh machine restores rather than resamples) and rewritten at the end.
+from CPU to CPU, so a fresh machine restores rather than resamples) and rewritten as it grows.
 """
 
 from __future__ import annotations
@@ -63,14 +63,13 @@ def main(argv: list[str]) -> None:
             log(f"restored {n} rows from {FLAGS.archive}")
     log(f"query prefix: {magpie.query_prefix(tokenizer)!r}")
     target = load_target(path, dtype=jnp.dtype(FLAGS.dtype))
+    on_write = (lambda: magpie.write_archive(FLAGS.out, FLAGS.archive)) if FLAGS.archive else None
     counts = magpie.sample_queries(target, tokenizer, FLAGS.out, num_queries=FLAGS.num_queries,
-                                   settings=settings, batch_size=FLAGS.batch_size, log=log)
+                                   settings=settings, batch_size=FLAGS.batch_size, log=log, on_write=on_write)
     rows = magpie.read_cache(FLAGS.out)
     kept = sum(bool(r.get("query")) for r in rows)
-    log(f"done: {counts}; {kept} accepted of {len(rows)} sampled in {FLAGS.out}")
-    if FLAGS.archive:
-        magpie.write_archive(FLAGS.out, FLAGS.archive)
-        log(f"archived {len(rows)} rows to {FLAGS.archive}")
+    log(f"done: {counts}; {kept} accepted of {len(rows)} sampled in {FLAGS.out}"
+        + (f", archived in {FLAGS.archive}" if FLAGS.archive else ""))
 
 
 if __name__ == "__main__":

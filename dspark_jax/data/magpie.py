@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 # the same cache conventions as the answer cache: appended JSONL, settings pinned beside it
 from dspark_jax.train.regen import check_meta, meta_path, read_cache, repair_tail
@@ -89,8 +89,9 @@ def queries(cache: str | os.PathLike) -> list[tuple[str, str]]:
 
 def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: int,
                    settings: MagpieSettings, batch_size: int = 8, max_samples: int | None = None,
-                   log: Callable[[str], None] | None = None) -> dict:
+                   log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None) -> dict:
     """Sample requests into `cache` until it holds `num_queries` accepted ones. Returns counts.
+    `on_write()` runs after each progress line (every ~30 s) and at the end (e.g. `write_archive`).
     Gives up (RuntimeError) after `max_samples` samples in this call (default 10 per missing
     request): a model that is not instruction-tuned rarely closes a user turn."""
     from dspark_jax.batcher import Batcher, Request
@@ -154,6 +155,10 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
                     log(f"{accepted}/{num_queries} requests ({counts['accepted']}/{counts['sampled']} "
                         f"accepted this run, {rate:.2f}/s), ETA "
                         f"{(num_queries - accepted) / max(rate, 1e-9) / 60:.1f} min")
+                    if on_write is not None:
+                        on_write()
+    if on_write is not None:
+        on_write()
     return counts
 
 
