@@ -10,9 +10,9 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v8: this script's output with the
-# defaults below (stage 8 stopped at step STOP8 of 900, the mean of its last AVG8 exports; the lr
-# is constant, so any step is a valid stop). STAGES=7 gives v7 (the previous shipped draft), STAGES=6 v6,
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v9: this script's output with the
+# defaults below (stage 9 stopped at step STOP9 of 900, the mean of its last AVG9 exports; the lr
+# is constant, so any step is a valid stop). STAGES=8 gives v8 (the previous shipped draft), 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -20,7 +20,7 @@
 # started from the shipped v5 file, which is stage 5's export at step 300; v7 from the shipped v6
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
-# shipped v7 file (stage 7's mean).
+# shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -56,7 +56,11 @@ LIMIT8=${LIMIT8:-5280}        # stage 8: the first N prompts, GSM8K train first
 STEPS8=${STEPS8:-900}         # stage 8: the run's length in optimizer steps (sets the warmup)
 STOP8=${STOP8:-130}           # stage 8: steps this invocation runs (v8: 130)
 AVG8=${AVG8:-5}               # stage 8: the mean of the last AVG8 exports
-STAGES=${STAGES:-8}
+LIMIT9=${LIMIT9:-6790}        # stage 9: the first N prompts, GSM8K train first
+STEPS9=${STEPS9:-900}         # stage 9: the run's length in optimizer steps (sets the warmup)
+STOP9=${STOP9:-130}           # stage 9: steps this invocation runs (v9: 130)
+AVG9=${AVG9:-5}               # stage 9: the mean of the last AVG9 exports
+STAGES=${STAGES:-9}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
@@ -183,6 +187,12 @@ fi
 # way (seed 8), the mean of its last exports
 if [ "$STAGES" -ge 8 ]; then
     averaged_gsm 8 "$LIMIT8" "$STEPS8" "$STOP8" "$AVG8" 8
+fi
+
+# (5g) stage 9 (v9, STAGES=9): more GSM8K-train answers, stage 8's mean trained on them the same
+# way (seed 9), the mean of its last exports
+if [ "$STAGES" -ge 9 ]; then
+    averaged_gsm 9 "$LIMIT9" "$STEPS9" "$STOP9" "$AVG9" 9
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
