@@ -141,8 +141,7 @@ def test_archive_round_trip_and_refusals(tmp_path, tokenizer, fake_decoding):
     first = archive.read_bytes()
     assert magpie.write_archive(cache, archive) == n and archive.read_bytes() == first   # reproducible
 
-    fresh = tmp_path / "fresh" / "q.jsonl"
-    fresh.parent.mkdir()
+    fresh = tmp_path / "fresh" / "q.jsonl"            # its directory does not exist yet
     assert magpie.restore_archive(archive, fresh) == n
     assert fresh.read_text() == cache.read_text()
     assert magpie.meta_path(fresh).read_text() == magpie.meta_path(cache).read_text()

@@ -35,7 +35,7 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature.", lower_bound=0.0)
 flags.DEFINE_float("top_p", 0.99, "Nucleus sampling mass.")
 flags.DEFINE_integer("max_new_tokens", 128, "Request length limit (longer ones are rejected).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_string("archive", None, "A gzip copy of the cache to restore from first and write at the end.")
+flags.DEFINE_string("archive", None, "A gzip copy of the cache: restored from first, rewritten as the cache grows.")
 flags.mark_flag_as_required("out")
 
 

@@ -186,6 +186,7 @@ def restore_archive(archive: str | os.PathLike, cache: str | os.PathLike) -> int
     meta = json.loads(lines[0])["meta"]
     rows = [json.loads(line) for line in lines[1:]]
     cache = Path(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)         # a fresh machine has no runs/ yet
     have = read_cache(cache)
     if len(have) >= len(rows):
         return 0

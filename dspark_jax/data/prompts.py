@@ -5,8 +5,9 @@ prompts built from the running interpreter's standard-library docstrings, and (o
 the default pool) `magpie`: chat requests the target wrote itself (`dspark_jax.data.magpie`).
 Filtering, in order: image-bearing rows (where the row has image fields), benchmark contamination
 (13-gram overlap with GSM8K test, HumanEval, MT-Bench and AIME if given), exact duplicates, near
-duplicates (shingle Jaccard >= 0.8), then an optional per-source cap after a seeded shuffle. The output is a seeded
-shuffle of the survivors, one `{"id", "source", "messages": [{"role": "user", "content"}]}` per line.
+duplicates (shingle Jaccard >= 0.8), then an optional per-source cap after a seeded shuffle. The
+output is a seeded shuffle of the survivors, one
+`{"id", "source", "messages": [{"role": "user", "content"}]}` per line.
 """
 
 from __future__ import annotations
