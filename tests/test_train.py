@@ -568,3 +568,19 @@ def test_export_and_init_from_round_trip(pair, tmp_path):
     back = load_draft(tmp_path / "d", dtype=jnp.float32)
     for n, p in params_lib.flat_params(draft).items():
         np.testing.assert_array_equal(np.asarray(params_lib.flat_params(back)[n].get_value()), np.asarray(p.get_value()))
+
+
+def test_data_paths_keep_order_and_repeats(tmp_path):
+    """`--data a,b,a` reads a twice (a k-fold oversampled mixture); a glob's matches come sorted;
+    a part that names nothing is a usage error naming the flag."""
+    from absl import app
+
+    from train import paths
+    for name in ("b.jsonl", "a-2.jsonl", "a-1.jsonl"):
+        (tmp_path / name).write_text("")
+    a, b = str(tmp_path / "a-1.jsonl"), str(tmp_path / "b.jsonl")
+    assert paths.expand(f"{a},{b},{a}", flag="data", what="cache", exists=Path.is_file) == [a, b, a]
+    assert paths.expand(f"{tmp_path}/a-*.jsonl, {b}", flag="data", what="cache", exists=Path.is_file) == \
+        [a, str(tmp_path / "a-2.jsonl"), b]
+    with pytest.raises(app.UsageError, match="--data: no cache at"):
+        paths.expand(f"{a},{tmp_path}/missing.jsonl", flag="data", what="cache", exists=Path.is_file)

@@ -57,7 +57,8 @@ flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset
 flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype (the held-out eval "
                   "serves the target in float32 either way, as benchmarks.acceptance does).")
 flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher); several (the shards of a multi-host "
-                    "train.regen): a glob or a comma-separated list.")
+                    "train.regen, or a mixture): a glob or a comma-separated list; a file named k times is "
+                    "read k times (oversampled k-fold).")
 flags.DEFINE_string("teacher_dir", None, "Offline teacher shard directory (instead of --data).")
 flags.DEFINE_float("teacher_timeout", None, "Seconds to wait for a live teacher shard (default: forever).")
 flags.DEFINE_string("draft_config", None, "Draft config.json (default: --init_from's).")
