@@ -10,9 +10,9 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v9: this script's output with the
-# defaults below (stage 9 stopped at step STOP9 of 900, the mean of its last AVG9 exports; the lr
-# is constant, so any step is a valid stop). STAGES=8 gives v8 (the previous shipped draft), 7 v7, 6 v6,
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v11: this script's output with the
+# defaults below (stage 11 stopped at step STOP11 of 900, the mean of its last AVG11 exports; the lr
+# is constant, so any step is a valid stop). STAGES=10 gives v10, 9 v9 (the previous shipped draft), 8 v8, 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -20,7 +20,9 @@
 # started from the shipped v5 file, which is stage 5's export at step 300; v7 from the shipped v6
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
-# shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean).
+# shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
+# shipped v9 file; stage 11's Magpie requests were sampled on the ninth session's CPU and are
+# restored from their committed archive (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -60,7 +62,16 @@ LIMIT9=${LIMIT9:-6790}        # stage 9: the first N prompts, GSM8K train first
 STEPS9=${STEPS9:-900}         # stage 9: the run's length in optimizer steps (sets the warmup)
 STOP9=${STOP9:-130}           # stage 9: steps this invocation runs (v9: 130)
 AVG9=${AVG9:-5}               # stage 9: the mean of the last AVG9 exports
-STAGES=${STAGES:-9}
+LIMIT10=${LIMIT10:-8009}      # stage 10: every GSM8K-train prompt, then every IFEval one
+STEPS10=${STEPS10:-900}       # stage 10: the run's length in optimizer steps (sets the warmup)
+STOP10=${STOP10:-90}          # stage 10: steps this invocation runs (v10: 90)
+AVG10=${AVG10:-5}             # stage 10: the mean of the last AVG10 exports
+MAGPIE11=${MAGPIE11:-1200}    # stage 11: answers to the first N of the target's own chat requests (Magpie)
+REPEAT11=${REPEAT11:-4}       # stage 11: the chat answers named this many times in --data (oversampled)
+STEPS11=${STEPS11:-900}       # stage 11: the run's length in optimizer steps (sets the warmup)
+STOP11=${STOP11:-120}         # stage 11: steps this invocation runs (v11: 120)
+AVG11=${AVG11:-5}             # stage 11: the mean of the last AVG11 exports
+STAGES=${STAGES:-11}
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
@@ -102,8 +113,12 @@ gsm_answers() {   # the first $1 prompts, GSM8K train first, answered by the $2 
         --archive datasets/answers-smollm2-135m --limit "$1" --snapshot "$RUN/answers-gsm-$1.jsonl"
 }
 distill_gsm() {   # stage, answers, total steps, steps this run, compute dtype, seed, more flags: from $final
-    local stage=$1 limit=$2 steps=$3 stop=$4 dtype=$5 seed=$6; shift 6
-    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$RUN/answers-gsm-$limit.jsonl" \
+    local stage=$1 limit=$2; shift 2
+    distill_on "$stage" "$RUN/answers-gsm-$limit.jsonl" "$@"
+}
+distill_on() {   # stage, --data, total steps, steps this run, compute dtype, seed, more flags: from $final
+    local stage=$1 data=$2 steps=$3 stop=$4 dtype=$5 seed=$6; shift 6
+    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$data" \
         --init_from "$final" --run_dir "$RUN/distill-$NAME-$stage" --total_steps "$steps" --global_batch 16 \
         --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
         --clip 1.0 --compute_dtype "$dtype" --save_every 10 --log_every 1 --eval_every 30 --seed "$seed" \
@@ -113,7 +128,12 @@ averaged_gsm() {   # stage, answers, total steps, steps this run, exports averag
     # time and bf16 compute, from $final; sets $final to the mean of the last exports
     local stage=$1 limit=$2 steps=$3 stop=$4 avg=$5 seed=$6
     gsm_answers "$limit" bfloat16 8
-    distill_gsm "$stage" "$limit" "$steps" "$stop" bfloat16 "$seed" --keep_exports "$avg"
+    averaged "$stage" "$RUN/answers-gsm-$limit.jsonl" "$steps" "$stop" "$avg" "$seed"
+}
+averaged() {   # stage, --data, total steps, steps this run, exports averaged, seed, more flags: bf16
+    # compute, from $final; sets $final to the mean of the last exports
+    local stage=$1 data=$2 steps=$3 stop=$4 avg=$5 seed=$6; shift 6
+    distill_on "$stage" "$data" "$steps" "$stop" bfloat16 "$seed" --keep_exports "$avg" "$@"
     final="$RUN/distill-$NAME-$stage/average-$stop-last$avg"
     [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-$stage/export/step_*" --last "$avg" \
         --out "$final"
@@ -193,6 +213,34 @@ fi
 # way (seed 9), the mean of its last exports
 if [ "$STAGES" -ge 9 ]; then
     averaged_gsm 9 "$LIMIT9" "$STEPS9" "$STOP9" "$AVG9" 9
+fi
+
+# (5h) stage 10 (v10, STAGES=10): every GSM8K-train and IFEval answer, stage 9's mean trained on
+# them the same way (seed 10), the mean of its last exports
+if [ "$STAGES" -ge 10 ]; then
+    python -m train.regen --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 --first_sources gsm8k_train,ifeval \
+        --archive datasets/answers-smollm2-135m --limit "$LIMIT10" --snapshot "$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
+    averaged 10 "$RUN/answers-gsm-ifeval-$LIMIT10.jsonl" "$STEPS10" "$STOP10" "$AVG10" 10
+fi
+
+# (5i) stage 11 (v11, STAGES=11): chat. The target's own requests (train.magpie; the committed
+# archive restores the 3,000 sampled on the ninth session's CPU), filtered into a pool, the first
+# MAGPIE11 answered (their archive restores the ones committed); stage 10's mean trained on
+# stage 10's answers plus the chat answers named REPEAT11 times (seed 11), watched on the pool's
+# last 8 requests (never trained on), the mean of its last exports
+if [ "$STAGES" -ge 11 ]; then
+    python -m train.magpie --dtype bfloat16 --num_queries 3000 --out "$RUN/magpie.jsonl" \
+        --archive datasets/magpie-smollm2-135m.jsonl.gz
+    [ -s "$RUN/prompts-magpie.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
+        --out "$RUN/prompts-magpie.jsonl"
+    python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie --limit "$MAGPIE11" --snapshot "$RUN/answers-magpie-$MAGPIE11.jsonl"
+    tail -n 8 "$RUN/prompts-magpie.jsonl" > "$RUN/heldout-magpie-8.jsonl"
+    data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
+    for _ in $(seq "$REPEAT11"); do data="$data,$RUN/answers-magpie-$MAGPIE11.jsonl"; done
+    averaged 11 "$data" "$STEPS11" "$STOP11" "$AVG11" 11 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
