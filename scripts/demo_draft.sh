@@ -72,6 +72,7 @@ STEPS11=${STEPS11:-900}       # stage 11: the run's length in optimizer steps (s
 STOP11=${STOP11:-120}         # stage 11: steps this invocation runs (v11: 120)
 AVG11=${AVG11:-5}             # stage 11: the mean of the last AVG11 exports
 STAGES=${STAGES:-11}
+[ "$MAGPIE11" -le 2960 ] || { echo "MAGPIE11=$MAGPIE11: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
