@@ -293,3 +293,18 @@ def test_cli_writes_pool(tmp_path):
     assert len(records) == 40 and all(r["source"] == "stdlib_code" for r in records)
     # Nothing beyond the offline files was needed: the cache stays empty (no pip download ran).
     assert not (tmp_path / "c").exists()
+
+    # a later pool leaves out the earlier one's prompts; a file that is no pool is refused by name
+    more = tmp_path / "more.jsonl"
+    proc = subprocess.run(cmd[:3] + [f"--out={more}", cmd[4], f"--exclude_pool={out}", "--max_per_source=60", cmd[6]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in more.read_text().splitlines()]
+    assert len(ids) == 60 and not set(ids) & {r["id"] for r in records}
+    assert "in_earlier_pool: 40" in proc.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no id"}\n')
+    proc = subprocess.run(cmd[:3] + [f"--out={tmp_path / 'x.jsonl'}", f"--exclude_pool={bad}"] + cmd[4:],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"--exclude_pool {bad}: not a prompt pool" in proc.stderr
+    assert not (tmp_path / "x.jsonl").exists()

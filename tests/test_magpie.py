@@ -175,3 +175,22 @@ def test_magpie_source_goes_through_the_pool_filters(tmp_path, tokenizer, fake_d
         prompts.load_sources(["magpie"])
     with pytest.raises(FileNotFoundError, match="no such magpie query cache"):
         prompts.load_sources(["magpie"], magpie_cache=tmp_path / "missing.jsonl")
+
+
+def test_pool_of_a_grown_cache_leaves_out_the_earlier_pool(tmp_path, tokenizer, fake_decoding):
+    cache = tmp_path / "q.jsonl"
+    magpie.sample_queries(TARGET, tokenizer, cache, num_queries=6, settings=_settings(tokenizer))
+    first = prompts.build_pool(prompts.load_sources(["magpie"], magpie_cache=cache), {}).records
+    magpie.sample_queries(TARGET, tokenizer, cache, num_queries=12, settings=_settings(tokenizer))
+    rows = prompts.load_sources(["magpie"], magpie_cache=cache)
+    old_ids = [r["id"] for r in first]
+    # a new request that only rewords an earlier one is not new
+    reworded = prompts.PromptRow("magpie/3-999999", "magpie", first[0]["messages"][0]["content"] + " Thanks!")
+    rows["magpie"].append(reworded)
+    second = prompts.build_pool(rows, {}, exclude_ids=old_ids)
+    new_ids = [r["id"] for r in second.records]
+    assert len(new_ids) == 6 and not set(new_ids) & set(old_ids)
+    assert {i for i, _ in magpie.queries(cache)} == set(old_ids) | set(new_ids)
+    assert second.removed["in_earlier_pool"] == {"magpie": 6}
+    assert second.removed["near_duplicate"] == {"magpie": 1}
+    assert second.stages[-1] == ("new_only", {"magpie": 6})

