@@ -226,7 +226,8 @@ if [ "$STAGES" -ge 10 ]; then
 fi
 
 # (5i) stage 11 (v11, STAGES=11): chat. The target's own requests (train.magpie; the committed
-# archive restores the 3,000 sampled on the ninth session's CPU), filtered into a pool, the first
+# archive restores the 3,000 sampled on the ninth session's CPU; the pool is built from those 3,000
+# even where the archive holds more), filtered into a pool, the first
 # MAGPIE11 answered (their archive restores the ones committed); stage 10's mean trained on
 # stage 10's answers plus the chat answers named REPEAT11 times (seed 11), watched on the pool's
 # last 8 requests (never trained on), the mean of its last exports
@@ -234,7 +235,7 @@ if [ "$STAGES" -ge 11 ]; then
     python -m train.magpie --dtype bfloat16 --num_queries 3000 --out "$RUN/magpie.jsonl" \
         --archive datasets/magpie-smollm2-135m.jsonl.gz
     [ -s "$RUN/prompts-magpie.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
-        --out "$RUN/prompts-magpie.jsonl"
+        --magpie_first 3000 --out "$RUN/prompts-magpie.jsonl"
     python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
         --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
         --archive datasets/answers-smollm2-135m-magpie --limit "$MAGPIE11" --snapshot "$RUN/answers-magpie-$MAGPIE11.jsonl"

@@ -194,3 +194,8 @@ def test_pool_of_a_grown_cache_leaves_out_the_earlier_pool(tmp_path, tokenizer, 
     assert second.removed["in_earlier_pool"] == {"magpie": 6}
     assert second.removed["near_duplicate"] == {"magpie": 1}
     assert second.stages[-1] == ("new_only", {"magpie": 6})
+    # the earlier pool is rebuilt, record for record, from the grown cache's first requests
+    again = prompts.build_pool(prompts.load_sources(["magpie"], magpie_cache=cache, magpie_first=6), {})
+    assert again.records == first
+    with pytest.raises(ValueError, match="fewer than the first 13"):
+        prompts.load_sources(["magpie"], magpie_cache=cache, magpie_first=13)

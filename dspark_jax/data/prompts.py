@@ -173,24 +173,28 @@ def stdlib_code_prompts(stdlib_dir: str | os.PathLike | None = None) -> list[Pro
     return rows
 
 
-def load_magpie(cache: str | os.PathLike | None) -> list[PromptRow]:
-    """The accepted requests of a `python -m train.magpie` query cache."""
+def load_magpie(cache: str | os.PathLike | None, first: int | None = None) -> list[PromptRow]:
+    """The accepted requests of a `python -m train.magpie` query cache (the first `first` of them
+    in sampling order: the pool a cache gave before it grew)."""
     if cache is None:
         raise ValueError("the magpie source needs the query cache of `python -m train.magpie` "
                          "(--magpie_cache)")
     if not Path(cache).exists():
         raise FileNotFoundError(f"{cache}: no such magpie query cache")
-    return [PromptRow(i, "magpie", q) for i, q in magpie.queries(cache)]
+    rows = [PromptRow(i, "magpie", q) for i, q in magpie.queries(cache)]
+    if first is not None and first > len(rows):
+        raise ValueError(f"{cache}: {len(rows)} accepted requests, fewer than the first {first} asked for")
+    return rows[:first]
 
 
 def load_sources(sources: Sequence[str] = POOL_SOURCES, *, magpie_cache: str | os.PathLike | None = None,
-                 **fetch_kw: Any) -> dict[str, list[PromptRow]]:
+                 magpie_first: int | None = None, **fetch_kw: Any) -> dict[str, list[PromptRow]]:
     loaders: dict[str, Callable[[], list[PromptRow]]] = {
         "gsm8k_train": lambda: load_gsm8k_train(**fetch_kw),
         "math_train": lambda: load_math_train(**fetch_kw),
         "ifeval": lambda: load_ifeval(**fetch_kw),
         "stdlib_code": stdlib_code_prompts,
-        "magpie": lambda: load_magpie(magpie_cache),
+        "magpie": lambda: load_magpie(magpie_cache, magpie_first),
     }
     unknown = [s for s in sources if s not in loaders]
     if unknown:
@@ -287,12 +291,13 @@ def write_jsonl(records: Iterable[Mapping[str, Any]], path: str | os.PathLike) -
 
 def build_prompt_pool(*, sources: Sequence[str] = POOL_SOURCES, max_per_source: int | None = None,
                       aime_file: str | os.PathLike | None = None, seed: int = 0,
-                      magpie_cache: str | os.PathLike | None = None, exclude_ids: Collection[str] = (),
+                      magpie_cache: str | os.PathLike | None = None, magpie_first: int | None = None,
+                      exclude_ids: Collection[str] = (),
                       log: Callable[[str], None] | None = None, **fetch_kw: Any) -> PoolResult:
     """Fetch every source and benchmark set, then `build_pool`."""
     say = log or (lambda _: None)
     say(f"loading prompt sources: {', '.join(sources)}")
-    rows = load_sources(sources, magpie_cache=magpie_cache, **fetch_kw)
+    rows = load_sources(sources, magpie_cache=magpie_cache, magpie_first=magpie_first, **fetch_kw)
     say("loading benchmark sets for decontamination")
     contamination = benchmarks.contamination_texts(aime_file, **fetch_kw)
     return build_pool(rows, contamination, max_per_source=max_per_source, seed=seed,
