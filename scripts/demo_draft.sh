@@ -10,9 +10,9 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v11: this script's output with the
-# defaults below (stage 11 stopped at step STOP11 of 900, the mean of its last AVG11 exports; the lr
-# is constant, so any step is a valid stop). STAGES=10 gives v10, 9 v9 (the previous shipped draft), 8 v8, 7 v7, 6 v6,
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v12: this script's output with the
+# defaults below (stage 12 stopped at step STOP12 of 900, the mean of its last AVG12 exports; the lr
+# is constant, so any step is a valid stop). STAGES=11 gives v11 (the previous shipped draft), 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -21,8 +21,9 @@
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
-# shipped v9 file; stage 11's Magpie requests were sampled on the ninth session's CPU and are
-# restored from their committed archive (sampling differs from CPU to CPU).
+# shipped v9 file, v12 from the shipped v11 file; the Magpie requests (the first 3,000 sampled on
+# the ninth session's CPU, 3,000 more on the eleventh's) are restored from their committed archive
+# (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -71,8 +72,15 @@ REPEAT11=${REPEAT11:-4}       # stage 11: the chat answers named this many times
 STEPS11=${STEPS11:-900}       # stage 11: the run's length in optimizer steps (sets the warmup)
 STOP11=${STOP11:-120}         # stage 11: steps this invocation runs (v11: 120)
 AVG11=${AVG11:-5}             # stage 11: the mean of the last AVG11 exports
-STAGES=${STAGES:-11}
-[ "$MAGPIE11" -le 2960 ] || { echo "MAGPIE11=$MAGPIE11: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
+MAGPIE12=${MAGPIE12:-2960}    # stage 12: answers to the first N Magpie requests (all but the held-out 40)
+REPEAT12=${REPEAT12:-3}       # stage 12: the chat answers named this many times in --data (oversampled)
+STEPS12=${STEPS12:-900}       # stage 12: the run's length in optimizer steps (sets the warmup)
+STOP12=${STOP12:-180}         # stage 12: steps this invocation runs (v12: 180)
+AVG12=${AVG12:-5}             # stage 12: the mean of the last AVG12 exports
+STAGES=${STAGES:-12}
+for m in "$MAGPIE11" "$MAGPIE12"; do
+    [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
+done
 EVAL_EVERY=${EVAL_EVERY:-0}   # held-out tok/fwd every N steps (0: off)
 LR_SCHEDULE=${LR_SCHEDULE:-cosine}
 CONFIG=dspark_jax/configs/smollm2-135m-dspark.json
@@ -243,6 +251,18 @@ if [ "$STAGES" -ge 11 ]; then
     data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
     for _ in $(seq "$REPEAT11"); do data="$data,$RUN/answers-magpie-$MAGPIE11.jsonl"; done
     averaged 11 "$data" "$STEPS11" "$STOP11" "$AVG11" 11 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5j) stage 12 (v12, STAGES=12): the answers to the first MAGPIE12 Magpie requests (every one but
+# the held-out 40) named REPEAT12 times beside stage 10's answers (about half the sequences chat),
+# stage 11's mean trained on them the same way (seed 12), the mean of its last exports
+if [ "$STAGES" -ge 12 ]; then
+    python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie --limit "$MAGPIE12" --snapshot "$RUN/answers-magpie-$MAGPIE12.jsonl"
+    data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
+    for _ in $(seq "$REPEAT12"); do data="$data,$RUN/answers-magpie-$MAGPIE12.jsonl"; done
+    averaged 12 "$data" "$STEPS12" "$STOP12" "$AVG12" 12 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
