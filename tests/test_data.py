@@ -294,17 +294,25 @@ def test_cli_writes_pool(tmp_path):
     # Nothing beyond the offline files was needed: the cache stays empty (no pip download ran).
     assert not (tmp_path / "c").exists()
 
-    # a later pool leaves out the earlier one's prompts; a file that is no pool is refused by name
+    # a grown Magpie cache: --magpie_first takes its first requests, --exclude_pool leaves out an
+    # earlier pool's prompts; a file that is no pool is refused by name, before anything is written
+    cache = tmp_path / "magpie.jsonl"
+    topics = ["sourdough bread", "a community garden", "learning the violin", "a budget for a trip",
+              "a cover letter", "houseplants in winter"]
+    cache.write_text("".join(json.dumps({"id": f"magpie/0-{i:06d}", "query": f"How do I plan {t}, step by step?"})
+                             + "\n" for i, t in enumerate(topics)))
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("".join(json.dumps({"id": f"magpie/0-{i:06d}"}) + "\n" for i in (0, 2)))
     more = tmp_path / "more.jsonl"
-    proc = subprocess.run(cmd[:3] + [f"--out={more}", cmd[4], f"--exclude_pool={out}", "--max_per_source=60", cmd[6]],
+    magpie_cmd = cmd[:3] + ["--sources=magpie", f"--magpie_cache={cache}", "--magpie_first=4"]
+    proc = subprocess.run(magpie_cmd + [f"--out={more}", f"--exclude_pool={earlier}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ids = [json.loads(line)["id"] for line in more.read_text().splitlines()]
-    assert len(ids) == 60 and not set(ids) & {r["id"] for r in records}
-    assert "in_earlier_pool: 40" in proc.stdout
+    ids = sorted(json.loads(line)["id"] for line in more.read_text().splitlines())
+    assert ids == ["magpie/0-000001", "magpie/0-000003"] and "in_earlier_pool: 2" in proc.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no id"}\n')
-    proc = subprocess.run(cmd[:3] + [f"--out={tmp_path / 'x.jsonl'}", f"--exclude_pool={bad}"] + cmd[4:],
+    proc = subprocess.run(magpie_cmd + [f"--out={tmp_path / 'x.jsonl'}", f"--exclude_pool={bad}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and f"--exclude_pool {bad}: not a prompt pool" in proc.stderr
     assert not (tmp_path / "x.jsonl").exists()
