@@ -34,9 +34,9 @@ flags.DEFINE_string("magpie_cache", None, "Query cache of `python -m train.magpi
 flags.DEFINE_string("cache_dir", None, "Data cache (default $DSPARK_DATA_CACHE or ~/.cache/dspark_jax/data).")
 flags.DEFINE_integer("magpie_first", None, "Only the first N accepted requests of --magpie_cache (sampling order): "
                      "the pool the cache gave before it grew.", lower_bound=1)
-flags.DEFINE_string("exclude_pool", None, "An earlier pool JSONL: its prompts (and near-duplicates of them) are "
-                    "left out, so a pool built after a source grew holds only new prompts and the earlier "
-                    "pool keeps its order and held-out tail.")
+flags.DEFINE_string("exclude_pool", None, "An earlier pool JSONL: its prompts are left out after deduplication (so "
+                    "near-duplicates of them go too when the sources still hold them), and a pool built after a "
+                    "source grew holds only new prompts while the earlier pool keeps its order and held-out tail.")
 flags.mark_flag_as_required("out")
 
 
