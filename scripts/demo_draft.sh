@@ -148,6 +148,15 @@ averaged() {   # stage, --data, total steps, steps this run, exports averaged, s
         --out "$final"
 }
 
+chat_mix() {   # the answers to the first $1 Magpie requests (restored from their archive, the rest
+    # generated), frozen as a snapshot; sets $data to stage 10's answers plus that snapshot named $2 times
+    python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie --limit "$1" --snapshot "$RUN/answers-magpie-$1.jsonl"
+    data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
+    for _ in $(seq "$2"); do data="$data,$RUN/answers-magpie-$1.jsonl"; done
+}
+
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
 [ -s "$RUN/answers-$LIMIT.jsonl" ] || answers "$LIMIT"
@@ -234,22 +243,17 @@ if [ "$STAGES" -ge 10 ]; then
 fi
 
 # (5i) stage 11 (v11, STAGES=11): chat. The target's own requests (train.magpie; the committed
-# archive restores the 3,000 sampled on the ninth session's CPU; the pool is built from those 3,000
-# even where the archive holds more), filtered into a pool, the first
-# MAGPIE11 answered (their archive restores the ones committed); stage 10's mean trained on
-# stage 10's answers plus the chat answers named REPEAT11 times (seed 11), watched on the pool's
-# last 8 requests (never trained on), the mean of its last exports
+# archive restores them) filtered into a pool built from the first 3,000 (even where the archive
+# holds more), the first MAGPIE11 answered (their archive restores the ones committed); stage 10's
+# mean trained on stage 10's answers plus the chat answers named REPEAT11 times (seed 11), watched
+# on the pool's last 8 requests (never trained on), the mean of its last exports
 if [ "$STAGES" -ge 11 ]; then
     python -m train.magpie --dtype bfloat16 --num_queries 3000 --out "$RUN/magpie.jsonl" \
         --archive datasets/magpie-smollm2-135m.jsonl.gz
     [ -s "$RUN/prompts-magpie.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
         --magpie_first 3000 --out "$RUN/prompts-magpie.jsonl"
-    python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
-        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie --limit "$MAGPIE11" --snapshot "$RUN/answers-magpie-$MAGPIE11.jsonl"
     tail -n 8 "$RUN/prompts-magpie.jsonl" > "$RUN/heldout-magpie-8.jsonl"
-    data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
-    for _ in $(seq "$REPEAT11"); do data="$data,$RUN/answers-magpie-$MAGPIE11.jsonl"; done
+    chat_mix "$MAGPIE11" "$REPEAT11"
     averaged 11 "$data" "$STEPS11" "$STOP11" "$AVG11" 11 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
@@ -257,11 +261,7 @@ fi
 # the held-out 40) named REPEAT12 times beside stage 10's answers (about half the sequences chat),
 # stage 11's mean trained on them the same way (seed 12), the mean of its last exports
 if [ "$STAGES" -ge 12 ]; then
-    python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
-        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie --limit "$MAGPIE12" --snapshot "$RUN/answers-magpie-$MAGPIE12.jsonl"
-    data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
-    for _ in $(seq "$REPEAT12"); do data="$data,$RUN/answers-magpie-$MAGPIE12.jsonl"; done
+    chat_mix "$MAGPIE12" "$REPEAT12"
     averaged 12 "$data" "$STEPS12" "$STOP12" "$AVG12" 12 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
