@@ -42,6 +42,20 @@ def test_archive_then_restore_on_a_fresh_machine(tmp_path):
     assert regen.restore_cache(archive, fresh) == 0                       # already there: untouched
 
 
+def test_a_complete_cache_archives_its_tail_as_a_last_short_part(tmp_path):
+    cache, archive = tmp_path / "regen.jsonl", tmp_path / "archive"
+    _write(cache, _rows(0, 7))
+    assert regen.archive_cache(cache, archive, part_size=3) == 6
+    assert regen.archive_cache(cache, archive, part_size=3, complete=True) == 7
+    assert regen.archive_cache(cache, archive, part_size=3, complete=True) == 7     # idempotent
+    fresh = tmp_path / "fresh.jsonl"
+    assert regen.restore_cache(archive, fresh) == 7
+    assert regen.read_cache(fresh) == regen.read_cache(cache)
+    _write(cache, _rows(7, 10))                      # rows after the short part: refused, not misnumbered
+    with pytest.raises(ValueError, match="part-00002.jsonl.gz is the archive's last, short part"):
+        regen.archive_cache(cache, archive, part_size=3)
+
+
 def test_restore_keeps_answers_the_cache_already_has(tmp_path):
     cache, archive = tmp_path / "regen.jsonl", tmp_path / "archive"
     _write(cache, _rows(0, 4))

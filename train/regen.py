@@ -77,8 +77,8 @@ def main(argv: list[str]) -> None:
     def log(msg: str) -> None:
         print(f"[{tag} {time.time() - t0:8.1f}s] {msg}", flush=True)
 
-    records = regen.order_by_source(regen.read_jsonl(FLAGS.prompts), FLAGS.first_sources)[:FLAGS.limit]
-    records = records[shard_index::num_shards]
+    pool = regen.order_by_source(regen.read_jsonl(FLAGS.prompts), FLAGS.first_sources)
+    records = pool[:FLAGS.limit][shard_index::num_shards]
     path = resolve_model_path(FLAGS.model)
     # this process's first device (the loader's default, jax.devices()[0], is process 0's)
     local = sharding_lib.make_mesh(devices=jax.local_devices()[:1])
@@ -95,7 +95,11 @@ def main(argv: list[str]) -> None:
     on_write = (lambda: regen.archive_cache(out, FLAGS.archive)) if FLAGS.archive else None
     counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
                               batch_size=FLAGS.batch_size, log=log, on_write=on_write)
-    kept = sum(r["kept"] for r in regen.read_cache(out))
+    cached = regen.read_cache(out)
+    if FLAGS.archive and num_shards == 1 and {r["id"] for r in cached} >= {r["id"] for r in pool}:
+        n = regen.archive_cache(out, FLAGS.archive, complete=True)   # the whole pool: its tail too
+        log(f"the whole pool is answered: {n} answers archived in {FLAGS.archive}")
+    kept = sum(r["kept"] for r in cached)
     log(f"done: {counts}; {kept} kept samples in {out}")
     if FLAGS.snapshot:
         n = regen.write_snapshot(out, [r["id"] for r in records], FLAGS.snapshot)

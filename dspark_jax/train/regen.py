@@ -147,11 +147,14 @@ def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str
 ARCHIVE_PART = 500      # answers per archived part
 
 
-def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part_size: int = ARCHIVE_PART) -> int:
+def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part_size: int = ARCHIVE_PART,
+                  complete: bool = False) -> int:
     """Copy the cache's answers into `archive_dir` as immutable gzipped parts of `part_size` rows
     in cache order (`part-00000.jsonl.gz`, ...) plus the settings file: a form small enough to
     commit, so a later machine resumes the answer generation (`restore_cache`). Only whole parts
-    are written; existing parts must hold the cache's first rows. Returns the rows archived."""
+    are written, unless `complete` (the cache answers its whole prompt file): then the rest goes in
+    a last, short part, after which nothing more can be archived. Existing parts must hold the
+    cache's first rows. Returns the rows archived."""
     import gzip
 
     rows = read_cache(cache)
@@ -166,15 +169,19 @@ def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part
             ids = [json.loads(line)["id"] for line in f if line.strip()]
         if [r["id"] for r in rows[done:done + len(ids)]] != ids:
             raise ValueError(f"{part}: its answers are not rows {done}..{done + len(ids) - 1} of {cache}")
+        if len(ids) < part_size and len(rows) > done + len(ids):
+            raise ValueError(f"{part} is the archive's last, short part (the cache was complete), "
+                             f"but {cache} holds rows after it")
         done += len(ids)
-    while len(rows) - done >= part_size:
+    while len(rows) - done >= part_size or complete and len(rows) > done:
+        size = min(part_size, len(rows) - done)
         dst = out / f"part-{done // part_size:05d}.jsonl.gz"
         tmp = dst.with_name(dst.name + ".tmp")
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[done:done + part_size])
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[done:done + size])
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # reproducible bytes
             f.write(data.encode("utf-8"))
         os.replace(tmp, dst)
-        done += part_size
+        done += size
     return done
 
 
