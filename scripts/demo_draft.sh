@@ -10,9 +10,10 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v12: this script's output with the
-# defaults below (stage 12 stopped at step STOP12 of 900, the mean of its last AVG12 exports; the lr
-# is constant, so any step is a valid stop). STAGES=11 gives v11 (the previous shipped draft), 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v13: this script's output with the
+# defaults below (stage 13: STEPS13 steps, the lr decayed to 0, the mean of its last AVG13 exports;
+# stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
+# STAGES=12 gives v12 (the previous shipped draft), 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -21,7 +22,7 @@
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
-# shipped v9 file, v12 from the shipped v11 file; the Magpie requests (the first 3,000 sampled on
+# shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file; the Magpie requests (the first 3,000 sampled on
 # the ninth session's CPU, 3,000 more on the eleventh's) are restored from their committed archive
 # (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
@@ -77,7 +78,11 @@ REPEAT12=${REPEAT12:-3}       # stage 12: the chat answers named this many times
 STEPS12=${STEPS12:-900}       # stage 12: the run's length in optimizer steps (sets the warmup)
 STOP12=${STOP12:-180}         # stage 12: steps this invocation runs (v12: 180)
 AVG12=${AVG12:-5}             # stage 12: the mean of the last AVG12 exports
-STAGES=${STAGES:-12}
+MAGPIE13=${MAGPIE13:-1060}    # stage 13: answers to the first N requests of the second Magpie pool
+REPEAT13=${REPEAT13:-3}       # stage 13: those answers named this many times in --data
+STEPS13=${STEPS13:-240}       # stage 13: the run's length in optimizer steps (cosine decay to 0 over it)
+AVG13=${AVG13:-5}             # stage 13: the mean of the last AVG13 exports
+STAGES=${STAGES:-13}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -129,7 +134,7 @@ distill_on() {   # stage, --data, total steps, steps this run, compute dtype, se
     local stage=$1 data=$2 steps=$3 stop=$4 dtype=$5 seed=$6; shift 6
     python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$data" \
         --init_from "$final" --run_dir "$RUN/distill-$NAME-$stage" --total_steps "$steps" --global_batch 16 \
-        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule constant --warmup_frac 0.02 \
+        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule "${schedule:-constant}" --warmup_frac 0.02 \
         --clip 1.0 --compute_dtype "$dtype" --save_every 10 --log_every 1 --eval_every 30 --seed "$seed" \
         --stop_after "$stop" "$@"
 }
@@ -263,6 +268,24 @@ fi
 if [ "$STAGES" -ge 12 ]; then
     chat_mix "$MAGPIE12" "$REPEAT12"
     averaged 12 "$data" "$STEPS12" "$STOP12" "$AVG12" 12 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5k) stage 13 (v13, STAGES=13): the second Magpie pool (the requests sampled after the first
+# 3,000, the first pool's prompts and their near-duplicates left out), the answers to its first
+# MAGPIE13 requests named REPEAT13 times beside stage 12's data with the first pool's answers
+# named twice (about half the sequences chat), stage 12's mean trained on them with the lr decayed
+# to 0 over STEPS13 steps (cosine; seed 13), the mean of its last exports
+if [ "$STAGES" -ge 13 ]; then
+    python -m train.magpie --dtype bfloat16 --num_queries 6000 --out "$RUN/magpie.jsonl" \
+        --archive datasets/magpie-smollm2-135m.jsonl.gz
+    [ -s "$RUN/prompts-magpie-2.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
+        --exclude_pool "$RUN/prompts-magpie.jsonl" --out "$RUN/prompts-magpie-2.jsonl"
+    python -m train.regen --prompts "$RUN/prompts-magpie-2.jsonl" --out "$RUN/regen-magpie-2.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-2 --limit "$MAGPIE13" --snapshot "$RUN/answers-magpie2-$MAGPIE13.jsonl"
+    chat_mix "$MAGPIE12" 2
+    for _ in $(seq "$REPEAT13"); do data="$data,$RUN/answers-magpie2-$MAGPIE13.jsonl"; done
+    schedule=cosine averaged 13 "$data" "$STEPS13" "$STEPS13" "$AVG13" 13 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
