@@ -22,9 +22,9 @@
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
-# shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file; the Magpie requests (the first 3,000 sampled on
-# the ninth session's CPU, 3,000 more on the eleventh's) are restored from their committed archive
-# (sampling differs from CPU to CPU).
+# shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file; the Magpie
+# requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's) are
+# restored from their committed archive (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
