@@ -270,8 +270,8 @@ if [ "$STAGES" -ge 12 ]; then
     averaged 12 "$data" "$STEPS12" "$STOP12" "$AVG12" 12 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
-# (5k) stage 13 (v13, STAGES=13): the second Magpie pool (the requests sampled after the first
-# 3,000, the first pool's prompts and their near-duplicates left out), the answers to its first
+# (5k) stage 13 (v13, STAGES=13): the second Magpie pool (the cache's first 6,000 requests, even
+# where the archive holds more, less the first pool's prompts and their near-duplicates), the answers to its first
 # MAGPIE13 requests named REPEAT13 times beside stage 12's data with the first pool's answers
 # named twice (about half the sequences chat), stage 12's mean trained on them with the lr decayed
 # to 0 over STEPS13 steps (cosine; seed 13), the mean of its last exports
@@ -279,7 +279,7 @@ if [ "$STAGES" -ge 13 ]; then
     python -m train.magpie --dtype bfloat16 --num_queries 6000 --out "$RUN/magpie.jsonl" \
         --archive datasets/magpie-smollm2-135m.jsonl.gz
     [ -s "$RUN/prompts-magpie-2.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
-        --exclude_pool "$RUN/prompts-magpie.jsonl" --out "$RUN/prompts-magpie-2.jsonl"
+        --magpie_first 6000 --exclude_pool "$RUN/prompts-magpie.jsonl" --out "$RUN/prompts-magpie-2.jsonl"
     python -m train.regen --prompts "$RUN/prompts-magpie-2.jsonl" --out "$RUN/regen-magpie-2.jsonl" --model smollm2-135m \
         --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
         --archive datasets/answers-smollm2-135m-magpie-2 --limit "$MAGPIE13" --snapshot "$RUN/answers-magpie2-$MAGPIE13.jsonl"
