@@ -271,10 +271,10 @@ if [ "$STAGES" -ge 12 ]; then
 fi
 
 # (5k) stage 13 (v13, STAGES=13): the second Magpie pool (the cache's first 6,000 requests, even
-# where the archive holds more, less the first pool's prompts and their near-duplicates), the answers to its first
-# MAGPIE13 requests named REPEAT13 times beside stage 12's data with the first pool's answers
-# named twice (about half the sequences chat), stage 12's mean trained on them with the lr decayed
-# to 0 over STEPS13 steps (cosine; seed 13), the mean of its last exports
+# where the archive holds more, less the first pool's prompts and their near-duplicates), the
+# answers to its first MAGPIE13 requests named REPEAT13 times beside stage 12's data with the first
+# pool's answers named twice (about half the sequences chat), stage 12's mean trained on them with
+# the lr decayed to 0 over STEPS13 steps (cosine; seed 13), the mean of its last exports
 if [ "$STAGES" -ge 13 ]; then
     python -m train.magpie --dtype bfloat16 --num_queries 6000 --out "$RUN/magpie.jsonl" \
         --archive datasets/magpie-smollm2-135m.jsonl.gz
