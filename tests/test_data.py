@@ -303,13 +303,15 @@ def test_cli_writes_pool(tmp_path):
                              + "\n" for i, t in enumerate(topics)))
     earlier = tmp_path / "earlier.jsonl"
     earlier.write_text("".join(json.dumps({"id": f"magpie/0-{i:06d}"}) + "\n" for i in (0, 2)))
+    earlier_2 = tmp_path / "earlier-2.jsonl"           # several earlier pools: all are left out
+    earlier_2.write_text(json.dumps({"id": "magpie/0-000003"}) + "\n")
     more = tmp_path / "more.jsonl"
-    magpie_cmd = cmd[:3] + ["--sources=magpie", f"--magpie_cache={cache}", "--magpie_first=4"]
-    proc = subprocess.run(magpie_cmd + [f"--out={more}", f"--exclude_pool={earlier}"],
+    magpie_cmd = cmd[:3] + ["--sources=magpie", f"--magpie_cache={cache}", "--magpie_first=5"]
+    proc = subprocess.run(magpie_cmd + [f"--out={more}", f"--exclude_pool={earlier},{earlier_2}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = sorted(json.loads(line)["id"] for line in more.read_text().splitlines())
-    assert ids == ["magpie/0-000001", "magpie/0-000003"] and "in_earlier_pool: 2" in proc.stdout
+    assert ids == ["magpie/0-000001", "magpie/0-000004"] and "in_earlier_pool: 3" in proc.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no id"}\n')
     proc = subprocess.run(magpie_cmd + [f"--out={tmp_path / 'x.jsonl'}", f"--exclude_pool={bad}"],

