@@ -10,10 +10,10 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v13: this script's output with the
-# defaults below (stage 13: STEPS13 steps, the lr decayed to 0, the mean of its last AVG13 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v14: this script's output with the
+# defaults below (stage 14: STEPS14 steps, the lr decayed to 0, the mean of its last AVG14 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=12 gives v12 (the previous shipped draft), 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
+# STAGES=13 gives v13 (the previous shipped draft), 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -22,9 +22,10 @@
 # file (stage 6's mean), its run stopped and resumed at step 50, from where it ran this package's
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
-# shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file; the Magpie
-# requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's) are
-# restored from their committed archive (sampling differs from CPU to CPU).
+# shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
+# shipped v13 file; the Magpie requests (the first 3,000 sampled on the ninth session's CPU, 3,000
+# more on the eleventh's, 3,000 on the twelfth's and thirteenth's) are restored from their committed
+# archive (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -82,7 +83,15 @@ MAGPIE13=${MAGPIE13:-1060}    # stage 13: answers to the first N requests of the
 REPEAT13=${REPEAT13:-3}       # stage 13: those answers named this many times in --data
 STEPS13=${STEPS13:-240}       # stage 13: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG13=${AVG13:-5}             # stage 13: the mean of the last AVG13 exports
-STAGES=${STAGES:-13}
+MAGPIE14=${MAGPIE14:-2998}    # stage 14: answers to the first N requests of the second Magpie pool (all of it)
+REPEAT14=${REPEAT14:-2}       # stage 14: those answers named this many times in --data
+STEPS14=${STEPS14:-180}       # stage 14: the run's length in optimizer steps (cosine decay to 0 over it)
+AVG14=${AVG14:-5}             # stage 14: the mean of the last AVG14 exports
+MAGPIE15=${MAGPIE15:-2994}    # stage 15: answers to the first N requests of the third Magpie pool (all of it)
+REPEAT15=${REPEAT15:-2}       # stage 15: those answers named this many times in --data
+STEPS15=${STEPS15:-180}       # stage 15: the run's length in optimizer steps (cosine decay to 0 over it)
+AVG15=${AVG15:-5}             # stage 15: the mean of the last AVG15 exports
+STAGES=${STAGES:-14}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -160,6 +169,19 @@ chat_mix() {   # the answers to the first $1 Magpie requests (restored from thei
         --archive datasets/answers-smollm2-135m-magpie --limit "$1" --snapshot "$RUN/answers-magpie-$1.jsonl"
     data="$RUN/answers-gsm-ifeval-$LIMIT10.jsonl"
     for _ in $(seq "$2"); do data="$data,$RUN/answers-magpie-$1.jsonl"; done
+}
+
+magpie_pool() {   # pool number, requests sampled, earlier pools: the pool of the cache's first N requests
+    # less the earlier pools' prompts and their near-duplicates; its answers to the first $4 requests
+    # (restored from their archive, the rest generated) frozen as $RUN/answers-magpie$1-$4.jsonl
+    local n=$1 first=$2 exclude=$3 limit=$4
+    python -m train.magpie --dtype bfloat16 --num_queries "$first" --out "$RUN/magpie.jsonl" \
+        --archive datasets/magpie-smollm2-135m.jsonl.gz
+    [ -s "$RUN/prompts-magpie-$n.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
+        --magpie_first "$first" --exclude_pool "$exclude" --out "$RUN/prompts-magpie-$n.jsonl"
+    python -m train.regen --prompts "$RUN/prompts-magpie-$n.jsonl" --out "$RUN/regen-magpie-$n.jsonl" --model smollm2-135m \
+        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive "datasets/answers-smollm2-135m-magpie-$n" --limit "$limit" --snapshot "$RUN/answers-magpie$n-$limit.jsonl"
 }
 
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
@@ -276,16 +298,32 @@ fi
 # pool's answers named twice (about half the sequences chat), stage 12's mean trained on them with
 # the lr decayed to 0 over STEPS13 steps (cosine; seed 13), the mean of its last exports
 if [ "$STAGES" -ge 13 ]; then
-    python -m train.magpie --dtype bfloat16 --num_queries 6000 --out "$RUN/magpie.jsonl" \
-        --archive datasets/magpie-smollm2-135m.jsonl.gz
-    [ -s "$RUN/prompts-magpie-2.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
-        --magpie_first 6000 --exclude_pool "$RUN/prompts-magpie.jsonl" --out "$RUN/prompts-magpie-2.jsonl"
-    python -m train.regen --prompts "$RUN/prompts-magpie-2.jsonl" --out "$RUN/regen-magpie-2.jsonl" --model smollm2-135m \
-        --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie-2 --limit "$MAGPIE13" --snapshot "$RUN/answers-magpie2-$MAGPIE13.jsonl"
+    magpie_pool 2 6000 "$RUN/prompts-magpie.jsonl" "$MAGPIE13"
     chat_mix "$MAGPIE12" 2
     for _ in $(seq "$REPEAT13"); do data="$data,$RUN/answers-magpie2-$MAGPIE13.jsonl"; done
     schedule=cosine averaged 13 "$data" "$STEPS13" "$STEPS13" "$AVG13" 13 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5l) stage 14 (v14, STAGES=14): the whole second Magpie pool's answers named REPEAT14 times beside
+# stage 10's answers and the first pool's once, stage 13's mean trained on them with the lr decayed
+# to 0 over STEPS14 steps (cosine; seed 14), the mean of its last exports
+if [ "$STAGES" -ge 14 ]; then
+    magpie_pool 2 6000 "$RUN/prompts-magpie.jsonl" "$MAGPIE14"
+    chat_mix "$MAGPIE12" 1
+    for _ in $(seq "$REPEAT14"); do data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl"; done
+    schedule=cosine averaged 14 "$data" "$STEPS14" "$STEPS14" "$AVG14" 14 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5m) stage 15 (v15, STAGES=15): a third Magpie pool (the cache's first 9,000 requests less the
+# first two pools and their near-duplicates), its answers named REPEAT15 times beside stage 10's
+# answers and the first two pools' once, stage 14's mean trained on them the same way (seed 15), the
+# mean of its last exports
+if [ "$STAGES" -ge 15 ]; then
+    magpie_pool 3 9000 "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl" "$MAGPIE15"
+    chat_mix "$MAGPIE12" 1
+    data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl"
+    for _ in $(seq "$REPEAT15"); do data="$data,$RUN/answers-magpie3-$MAGPIE15.jsonl"; done
+    schedule=cosine averaged 15 "$data" "$STEPS15" "$STEPS15" "$AVG15" 15 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
