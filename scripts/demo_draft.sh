@@ -10,10 +10,10 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v14: this script's output with the
-# defaults below (stage 14: STEPS14 steps, the lr decayed to 0, the mean of its last AVG14 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v15: this script's output with the
+# defaults below (stage 15: STEPS15 steps, the lr decayed to 0, the mean of its last AVG15 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=13 gives v13 (the previous shipped draft), 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
+# STAGES=14 gives v14 (the previous shipped draft), 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
 # STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -23,9 +23,9 @@
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
-# shipped v13 file; the Magpie requests (the first 3,000 sampled on the ninth session's CPU, 3,000
-# more on the eleventh's, 3,000 on the twelfth's and thirteenth's) are restored from their committed
-# archive (sampling differs from CPU to CPU).
+# shipped v13 file, v15 from the shipped v14 file; the Magpie requests (the first 3,000 sampled on
+# the ninth session's CPU, 3,000 more on the eleventh's, 3,000 on the twelfth's and thirteenth's)
+# are restored from their committed archive (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -91,7 +91,7 @@ MAGPIE15=${MAGPIE15:-2994}    # stage 15: answers to the first N requests of the
 REPEAT15=${REPEAT15:-2}       # stage 15: those answers named this many times in --data
 STEPS15=${STEPS15:-180}       # stage 15: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG15=${AVG15:-5}             # stage 15: the mean of the last AVG15 exports
-STAGES=${STAGES:-14}
+STAGES=${STAGES:-15}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
