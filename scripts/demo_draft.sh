@@ -13,8 +13,8 @@
 # The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v15: this script's output with the
 # defaults below (stage 15: STEPS15 steps, the lr decayed to 0, the mean of its last AVG15 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=14 gives v14 (the previous shipped draft), 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6,
-# STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
+# STAGES=14 gives v14 (the previous shipped draft), 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
+# 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
 # the float32 target and the rest from the bfloat16 one (each answer records its dtype). v6 was
