@@ -117,6 +117,33 @@ def test_sample_queries_resumes_without_repeating(tmp_path, tokenizer, fake_deco
     assert magpie.sample_queries(TARGET, tokenizer, cache, num_queries=9, settings=s)["sampled"] == 0
 
 
+def test_steered_requests_open_with_the_openers_in_turn(tmp_path, tokenizer, fake_decoding):
+    prompts_seen = []
+    add = fake_decoding.add
+    fake_decoding.add = lambda self, req: (prompts_seen.append(tokenizer.decode(req.prompt)), add(self, req))
+    cache = tmp_path / "q.jsonl"
+    s = _settings(tokenizer, openers="Write,Pretend you are")
+    magpie.sample_queries(TARGET, tokenizer, cache, num_queries=4, settings=s, batch_size=2)
+    prefix = magpie.query_prefix(tokenizer)
+    assert prompts_seen[:2] == [prefix + "Write", prefix + "Pretend you are"]
+    rows = magpie.read_cache(cache)
+    assert [r["id"] for r in rows] == [f"magpie-open/3-{i:06d}" for i in range(len(rows))]
+    kept = [q for _, q in magpie.queries(cache)]
+    assert kept[0].startswith("WriteWhat does ") and kept[1].startswith("Pretend you areWhat does ")
+    # an unsteered cache's settings were written before `openers` existed: still resumable
+    plain = tmp_path / "plain.jsonl"
+    magpie.sample_queries(TARGET, tokenizer, plain, num_queries=2, settings=_settings(tokenizer))
+    meta = json.loads(magpie.meta_path(plain).read_text())
+    del meta["openers"]
+    magpie.meta_path(plain).write_text(json.dumps(meta))
+    resumed = magpie.sample_queries(TARGET, tokenizer, plain, num_queries=3, settings=_settings(tokenizer))
+    assert resumed["accepted"] == 1
+    with pytest.raises(ValueError, match="openers"):
+        magpie.sample_queries(TARGET, tokenizer, plain, num_queries=4, settings=s)
+    with pytest.raises(ValueError, match="empty opener"):
+        magpie.openers(_settings(tokenizer, openers="Write,,Imagine"))
+
+
 def test_sample_queries_refuses_other_settings(tmp_path, tokenizer, fake_decoding):
     cache = tmp_path / "q.jsonl"
     magpie.sample_queries(TARGET, tokenizer, cache, num_queries=2, settings=_settings(tokenizer))

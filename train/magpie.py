@@ -6,6 +6,9 @@
         --out runs/demo/prompts-magpie.jsonl          # decontaminated, deduplicated pool
     python -m train.regen --prompts runs/demo/prompts-magpie.jsonl --out runs/demo/regen-magpie.jsonl ...
 
+    python -m train.magpie --openers "Write,Pretend,Imagine" --out runs/demo/magpie-open.jsonl ...
+                                                      # requests that start with those words, in turn
+
 The target continues its chat template from the opening of a user turn (dspark_jax/data/magpie.py);
 requests that end their turn on their own are kept. Rerun the same command to continue after an
 interruption. With --archive the cache is restored from that gzip first (sampled requests differ
@@ -35,6 +38,8 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature.", lower_bound=0.0)
 flags.DEFINE_float("top_p", 0.99, "Nucleus sampling mass.")
 flags.DEFINE_integer("max_new_tokens", 128, "Request length limit (longer ones are rejected).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_list("openers", [], "Words a request starts with, in turn (steered sampling, e.g. "
+                  "'Write,Pretend,Imagine'); none: the target opens the turn itself. Use its own --out.")
 flags.DEFINE_string("archive", None, "A gzip copy of the cache: restored from first, rewritten as the cache grows.")
 flags.mark_flag_as_required("out")
 
@@ -56,12 +61,14 @@ def main(argv: list[str]) -> None:
     tokenizer = load_tokenizer(path)
     settings = magpie.MagpieSettings(target=str(FLAGS.model), temperature=FLAGS.temperature,
                                      top_p=FLAGS.top_p, max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed,
-                                     prefix_sha256=magpie.prefix_sha256(tokenizer))
+                                     prefix_sha256=magpie.prefix_sha256(tokenizer),
+                                     openers=",".join(FLAGS.openers))
     if FLAGS.archive and os.path.exists(FLAGS.archive):
         n = magpie.restore_archive(FLAGS.archive, FLAGS.out)
         if n:
             log(f"restored {n} rows from {FLAGS.archive}")
-    log(f"query prefix: {magpie.query_prefix(tokenizer)!r}")
+    log(f"query prefix: {magpie.query_prefix(tokenizer)!r}"
+        + (f", then one of {magpie.openers(settings)}" if FLAGS.openers else ""))
     target = load_target(path, dtype=jnp.dtype(FLAGS.dtype))
     on_write = (lambda: magpie.write_archive(FLAGS.out, FLAGS.archive)) if FLAGS.archive else None
     counts = magpie.sample_queries(target, tokenizer, FLAGS.out, num_queries=FLAGS.num_queries,

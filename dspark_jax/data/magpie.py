@@ -8,10 +8,18 @@ registry ships an open chat-prompt set. The requests then go through the pool's 
 (`python -m train.prompts --sources magpie`: decontamination against the benchmarks, duplicates)
 and `train.regen` answers them like any other prompt.
 
+Steered requests (`openers`, as Magpie's task-specific variants steer with the template): the
+turn opens with one of a few given words ("Write", "Pretend", ...) and the target continues from
+there, so a pool can hold the kinds of request (creative writing, role-play) that the unsteered
+target seldom writes. Request n of the cache opens with openers[n % len(openers)]; ids are then
+"magpie-open/<seed>-<n>", so a steered and an unsteered cache never share an id.
+
 Query cache (JSONL, appended as requests finish, fsync'ed; resumable):
 
     {"id": "magpie/<seed>-<n>", "text": str, "query": str | null, "finish_reason": "stop" | "length",
      "num_tokens": int}
+
+`text` is the opener (if any) and what the target wrote after it.
 
 `query` is the cleaned request, or null where it was rejected (cut at max_new_tokens, too short,
 template markup). `<cache>.meta.json` pins the sampling settings; resuming with others is refused.
@@ -48,6 +56,7 @@ class MagpieSettings:
     max_new_tokens: int
     seed: int
     prefix_sha256: str
+    openers: str = ""           # comma-separated words a request starts with, in turn; "" = none
     format: str = FORMAT
     version: int = VERSION
 
@@ -82,6 +91,16 @@ def clean_query(text: str, finish_reason: str, *, min_chars: int = MIN_CHARS,
     return q
 
 
+def openers(settings: MagpieSettings) -> list[str]:
+    """The settings' openers as a list (empty: unsteered). Refuses blank entries."""
+    if not settings.openers:
+        return []
+    words = [w.strip() for w in settings.openers.split(",")]
+    if not all(words):
+        raise ValueError(f"openers {settings.openers!r}: an empty opener (stray comma?)")
+    return words
+
+
 def queries(cache: str | os.PathLike) -> list[tuple[str, str]]:
     """(id, request) of the cache's accepted rows, in cache order."""
     return [(r["id"], r["query"]) for r in read_cache(cache) if r.get("query")]
@@ -110,11 +129,14 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     if accepted >= num_queries:
         return counts
     budget = max_samples if max_samples is not None else 10 * (num_queries - accepted)
-    prompt = tokenizer.encode(query_prefix(tokenizer))
+    prefix = query_prefix(tokenizer)
+    words = openers(settings)
+    prompts = [tokenizer.encode(prefix + w) for w in words] or [tokenizer.encode(prefix)]
+    id_prefix = "magpie-open" if words else "magpie"
     eos = frozenset(eos_ids(target, tokenizer))
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature,
                         settings.top_p)
-    max_len = len(prompt) + settings.max_new_tokens + 1
+    max_len = max(map(len, prompts)) + settings.max_new_tokens + 1
     t0 = last_log = time.time()
     with open(cache, "a", encoding="utf-8") as f:
         while accepted < num_queries:
@@ -129,15 +151,17 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
             want = num_queries - accepted
             batcher = Batcher(engine, batch_size, max_len, seed=settings.seed * 1_000_003 + n)
             for i in range(min(want + want // 4 + 1, budget - counts["sampled"])):
-                batcher.add(Request(list(prompt), settings.max_new_tokens, settings.temperature,
-                                    settings.top_p, eos, index=i))
+                # the round's request i opens with opener n + i (in turn)
+                batcher.add(Request(list(prompts[(n + i) % len(prompts)]), settings.max_new_tokens,
+                                    settings.temperature, settings.top_p, eos, index=i))
             while batcher.has_work() and accepted < num_queries:
                 done = [r for r in batcher.step() if r.finish_reason is not None]
                 lines = []
                 for req in done:
-                    text = output_text(req.tokens, tokenizer, eos, [])
+                    opener = words[(n + req.index) % len(words)] if words else ""
+                    text = opener + output_text(req.tokens, tokenizer, eos, [])
                     query = clean_query(text, req.finish_reason)
-                    row = {"id": f"magpie/{settings.seed}-{len(rows):06d}", "text": text, "query": query,
+                    row = {"id": f"{id_prefix}/{settings.seed}-{len(rows):06d}", "text": text, "query": query,
                            "finish_reason": req.finish_reason, "num_tokens": len(req.tokens)}
                     rows.append(row)
                     lines.append(json.dumps(row, ensure_ascii=False))

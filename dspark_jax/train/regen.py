@@ -32,7 +32,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -219,7 +219,9 @@ def check_meta(path: Path, settings) -> None:
     mp = meta_path(path)
     want = asdict(settings)
     if mp.exists():
-        have = json.loads(mp.read_text())
+        # a setting added after the cache was written holds its default there
+        have = {f.name: f.default for f in fields(settings) if f.default is not MISSING}
+        have.update(json.loads(mp.read_text()))
         diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
         if diff:
             raise ValueError(f"{path}: cached with other settings {diff} (have, want); use another --out")
