@@ -11,8 +11,9 @@ and `train.regen` answers them like any other prompt.
 Steered requests (`openers`, as Magpie's task-specific variants steer with the template): the
 turn opens with one of a few given words ("Write", "Pretend", ...) and the target continues from
 there, so a pool can hold the kinds of request (creative writing, role-play) that the unsteered
-target seldom writes. Request n of the cache opens with openers[n % len(openers)]; ids are then
-"magpie-open/<seed>-<n>", so a steered and an unsteered cache never share an id.
+target seldom writes. The requests take the openers in turn (a round's i-th request the (n + i)-th,
+n the rows already cached); ids are then "magpie-open/<seed>-<n>", so a steered and an unsteered
+cache never share an id.
 
 Query cache (JSONL, appended as requests finish, fsync'ed; resumable):
 
