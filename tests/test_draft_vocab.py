@@ -137,16 +137,16 @@ def test_restricted_block_forward_matches_torch_reference(tmp_path):
     np.testing.assert_array_equal(np.asarray(drafts), want)
 
 
-def test_reduce_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
-    """`reduce_vocabulary` (train.distill --init_from FULL --draft_vocab) gives the draft an
+def test_remap_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
+    """`remap_vocabulary` (train.distill --init_from FULL --draft_vocab) gives the draft an
     EAGLE-3-style trainer would save from the same weights: markov_w2 cut to the kept rows, the
-    map set, everything else unchanged; and it refuses a draft that is already reduced."""
+    map set, everything else unchanged."""
     from dspark_jax import params as params_lib
-    from dspark_jax.checkpoint.draft_layout import reduce_vocabulary
+    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
     make_torch_draft(tmp_path / "full", dtype=torch.float32, seed=3)
     make_reduced_torch_draft(tmp_path / "cut", dtype=torch.float32, seed=3)
     full = load_draft(tmp_path / "full", dtype=jnp.float32)
-    small = reduce_vocabulary(full, KEPT_TINY)
+    small = remap_vocabulary(full, KEPT_TINY)
     want = load_draft(tmp_path / "cut", dtype=jnp.float32)
     assert small.cfg.draft_vocab == K_TINY and small.cfg.vocab_size == full.cfg.vocab_size
     np.testing.assert_array_equal(np.asarray(small.draft_token_ids()), KEPT_TINY)
@@ -159,8 +159,37 @@ def test_reduce_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
     b = want.block_forward(aux, 17, np.zeros((96, TINY["hidden_size"]), np.float32), lm_head)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    with pytest.raises(ValueError, match="already reduced"):
-        reduce_vocabulary(small, KEPT_TINY)
+
+
+def test_remap_vocabulary_of_a_reduced_draft_keeps_the_shared_rows(tmp_path):
+    """A reduced draft moved to another vocabulary (train.distill --init_from REDUCED --draft_vocab
+    NEW, e.g. one chosen over a wider answer set): markov_w2 row i is the old row of the same
+    target id where the old vocabulary held it and zero where it did not; every other parameter is
+    unchanged; and moving back to the old vocabulary restores the draft exactly."""
+    from dspark_jax import params as params_lib
+    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+    make_reduced_torch_draft(tmp_path / "cut", dtype=torch.float32, seed=5)
+    old = load_draft(tmp_path / "cut", dtype=jnp.float32)
+    rest = np.setdiff1d(np.arange(96), KEPT_TINY)
+    new_ids = np.sort(np.concatenate([KEPT_TINY[::2], rest[:30]]))        # half the old ids, 30 new ones
+    moved = remap_vocabulary(old, new_ids)
+    assert moved.cfg.draft_vocab == new_ids.size
+    np.testing.assert_array_equal(np.asarray(moved.draft_token_ids()), new_ids)
+    w2_old = np.asarray(old.markov_head.markov_w2.weight.get_value())
+    w2_new = np.asarray(moved.markov_head.markov_w2.weight.get_value())
+    for i, tid in enumerate(new_ids):
+        where = np.flatnonzero(KEPT_TINY == tid)
+        want = w2_old[where[0]] if where.size else np.zeros(w2_old.shape[1], np.float32)
+        np.testing.assert_array_equal(w2_new[i], want, f"row of target id {tid}")
+    assert np.any(w2_new != 0)
+    got, ref = params_lib.flat_params(moved), params_lib.flat_params(old)
+    for name in ref:
+        if name != "markov_head.markov_w2.weight":
+            np.testing.assert_array_equal(np.asarray(got[name].get_value()), np.asarray(ref[name].get_value()), name)
+    # the old vocabulary from a superset of it: the draft exactly as it was
+    wide = remap_vocabulary(old, np.union1d(KEPT_TINY, rest[:10]))
+    back = remap_vocabulary(wide, KEPT_TINY)
+    np.testing.assert_array_equal(np.asarray(back.markov_head.markov_w2.weight.get_value()), w2_old)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from a torch-layout draft; --warm_start initialises a fresh draft from the targe
 (dspark_jax/train/warm_start.py: MLP + norms of the target's last layers, identity context_proj on
 the last aux layer, zero Markov output side and confidence head; attention random);
 --draft_vocab vocab.json (`python -m train.vocab`) trains a draft with a reduced vocabulary (the K
-most frequent answer tokens): a fresh one, or --init_from's full-vocabulary draft with its Markov
-output side cut to the kept rows; the file is copied to <run_dir>/vocab.json and a resume must
+most frequent answer tokens): a fresh one, or --init_from's draft with its Markov output side
+moved to the kept rows (a reduced draft given a new vocabulary keeps its rows for the ids both
+hold; ids it lacked start at zero); the file is copied to <run_dir>/vocab.json and a resume must
 give the same one (checkpoints hold parameters, not the map);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
@@ -74,8 +75,8 @@ flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
 flags.DEFINE_string("draft_vocab", None, "vocab.json of `python -m train.vocab`: train the draft over these K "
-                    "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, a full-vocabulary draft is "
-                    "cut down to them.")
+                    "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, that draft "
+                    "moved to them (its Markov rows for the ids it holds, zero for the rest).")
 flags.DEFINE_bool("warm_start", False, "Initialise the draft from the target where shapes allow "
                   "(dspark_jax/train/warm_start.py); not with --init_from.")
 flags.DEFINE_float("lr", 5e-5, "Peak learning rate.")
@@ -150,12 +151,14 @@ def main(argv: list[str]) -> None:
         log(f"reduced draft vocabulary: {len(kept_ids)} of {draft_cfg.vocab_size} target ids ({FLAGS.draft_vocab})")
         draft_cfg = DraftConfig.from_dict({**draft_cfg.raw, "draft_vocab_size": len(kept_ids)},
                                           where=f"{FLAGS.draft_config or FLAGS.init_from} + {FLAGS.draft_vocab}")
-        if init_draft is not None:    # the full draft's weights, its Markov output side cut to the kept rows
-            from dspark_jax.checkpoint.draft_layout import reduce_vocabulary
-            if init_draft.cfg.reduced_vocab:
-                raise app.UsageError(f"--draft_vocab: the --init_from draft already has a reduced vocabulary "
-                                     f"(draft_vocab_size {init_draft.cfg.draft_vocab})")
-            init_draft = reduce_vocabulary(init_draft, kept_ids)
+        if init_draft is not None:    # its weights, its Markov output side moved to the kept rows
+            from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+            own = init_draft.draft_token_ids()
+            if own is not None:
+                new_ids = len(set(kept_ids) - set(jax.device_get(own).tolist()))
+                log(f"--init_from's vocabulary of {len(own)} ids -> {len(kept_ids)}: {new_ids} new ids start with "
+                    f"a zero Markov row")
+            init_draft = remap_vocabulary(init_draft, kept_ids)
 
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
     if FLAGS.warm_start or (kept_ids is not None and init_draft is None):

@@ -140,24 +140,30 @@ def set_vocab_map(draft: K3DSparkModel, target_ids) -> None:
     draft.t2d.set_value(jnp.asarray(t2d))
 
 
-def reduce_vocabulary(draft: K3DSparkModel, target_ids) -> K3DSparkModel:
-    """A reduced-vocabulary copy of a full-vocabulary draft: every parameter as it is, the Markov
-    head's output side `markov_w2` cut to the kept rows, the map set (the lm_head rows come from the
-    target at run time). Its drafts are the full draft's whenever those fall in the kept set."""
+def remap_vocabulary(draft: K3DSparkModel, target_ids) -> K3DSparkModel:
+    """A copy of a draft with the draft vocabulary `target_ids` (K ascending target ids): every
+    parameter as it is except the Markov head's output side `markov_w2`, whose row for a kept id is
+    the draft's own row for that id where the draft has one (a full draft has one for every id) and
+    zero where it has none (no bigram bias until trained); the map set (the lm_head rows come from
+    the target at run time). From a full draft its drafts are the full draft's whenever those fall
+    in the kept set."""
     cfg = draft.cfg
-    if cfg.reduced_vocab:
-        raise ValueError(f"the draft's vocabulary is already reduced (draft_vocab_size {cfg.draft_vocab}); "
-                         "start from a full-vocabulary draft")
     ids = np.asarray(target_ids, np.int64)
     src = params_lib.flat_params(draft)
     dtype = next(iter(src.values())).get_value().dtype
     small = K3DSparkModel(DraftConfig.from_dict({**cfg.raw, "draft_vocab_size": int(ids.size)}), dtype=dtype,
                           rngs=nnx.Rngs(0))
     set_vocab_map(small, ids)
+    # the draft's row index of each kept id (-1: not in its vocabulary)
+    own = draft.draft_token_ids()
+    row_of = np.full(cfg.vocab_size, -1, np.int64)
+    row_of[np.arange(cfg.vocab_size) if own is None else np.asarray(own, np.int64)] = np.arange(cfg.draft_vocab)
+    rows = row_of[ids]
     for name, p in params_lib.flat_params(small).items():
         value = src[name].get_value()
         if name == "markov_head.markov_w2.weight":
-            value = jnp.take(value, jnp.asarray(ids), axis=0)
+            kept = jnp.take(value, jnp.asarray(np.maximum(rows, 0)), axis=0)
+            value = jnp.where(jnp.asarray(rows >= 0)[:, None], kept, jnp.zeros((), value.dtype))
         p.set_value(value)
     return small
 
