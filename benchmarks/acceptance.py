@@ -8,6 +8,8 @@ T=0, chat template on, MT-Bench first turns only. Prompts run in batches through
 greedy speculative output equals the target's own greedy output token for token, so tok/fwd
 does not depend on the batch size (the server's concurrency-1 figure is the same number; the
 `serve.bench` card table measures it that way). `untrained` is a random draft of the demo config.
+"in draft vocab" is the fraction of the generated tokens a reduced-vocabulary draft could propose
+at all (its kept ids; 100 % at full vocabulary): a ceiling on what any training of it accepts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
 def main(argv):
     del argv
     import jax.numpy as jnp
+    import numpy as np
 
     from dspark_jax import generate, load_target
     from dspark_jax.data.benchmarks import load_gsm8k, load_mt_bench
@@ -47,15 +50,22 @@ def main(argv):
     results = []
     for spec in _DRAFTS.value:
         draft = load_draft_spec(spec, target)
+        # a reduced-vocabulary draft can never propose a token outside its kept ids
+        kept = draft.draft_token_ids()
+        in_vocab = np.ones(target.cfg.vocab_size, bool)
+        if kept is not None:
+            in_vocab[:] = False
+            in_vocab[np.asarray(kept)] = True
         row = {"draft": spec}
         for name, prompts in sets.items():
-            steps_n = accepted = drafted = produced = 0
+            steps_n = accepted = drafted = produced = covered = 0
             at_pos = [0.0] * _T.value           # drafts accepted at position k, summed over calls
             t0 = time.time()
             for i in range(0, len(prompts), _BATCH.value):
                 st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
                               num_speculative_tokens=_T.value)
                 produced += sum(len(o.token_ids) for o in st.outputs)
+                covered += sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in st.outputs)
                 st = st.stats
                 steps_n += st["num_verify_steps"]
                 accepted += st["total_accepted_tokens"]
@@ -66,13 +76,15 @@ def main(argv):
             row[name] = {"prompts": len(prompts), "generated_tokens": produced, "wall_s": time.time() - t0,
                          "num_verify_steps": steps_n, "tok_per_fwd": 1 + accepted / steps_n,
                          "acceptance_rate": accepted / drafted,
+                         "draft_vocab_coverage": covered / produced,
                          "per_position_acceptance": [a / steps_n for a in at_pos]}
         results.append(row)
     names = list(sets)
-    print("\n| draft | " + " | ".join(f"{n} tok/fwd" for n in names) + " |")
-    print("|---|" + "---|" * len(names))
+    print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
     for row in results:
-        print(f"| {row['draft']} | " + " | ".join(f"{row[n]['tok_per_fwd']:.2f}" for n in names) + " |")
+        print(f"| {row['draft']} | " + " | ".join(f"{row[n]['tok_per_fwd']:.3f} | {row[n]['draft_vocab_coverage']:.1%}"
+                                                  for n in names) + " |")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps({"model": _MODEL.value, "max_new_tokens": _NEW.value,
                                                  "num_speculative_tokens": _T.value, "results": results}, indent=2))
