@@ -10,10 +10,10 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v15: this script's output with the
-# defaults below (stage 15: STEPS15 steps, the lr decayed to 0, the mean of its last AVG15 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v16: this script's output with the
+# defaults below (stage 16: STEPS16 steps, the lr decayed to 0, the mean of its last AVG16 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=14 gives v14 (the previous shipped draft), 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
+# STAGES=15 gives v15 (the previous shipped draft), 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
 # 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -23,9 +23,11 @@
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
-# shipped v13 file, v15 from the shipped v14 file; the Magpie requests (the first 3,000 sampled on
-# the ninth session's CPU, 3,000 more on the eleventh's, 3,000 on the twelfth's and thirteenth's)
-# are restored from their committed archive (sampling differs from CPU to CPU).
+# shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file (its last 9 of
+# 8,009 GSM8K/IFEval answers and 1 of 500 steered ones generated anew on an AMX CPU); the Magpie
+# requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's, 3,000
+# on the twelfth's and thirteenth's, the steered ones on the fifteenth's) are restored from their
+# committed archives (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
 # in every stage (<run_dir>/eval.jsonl, learning_curve.png, TensorBoard eval/*); LR_SCHEDULE=constant
@@ -91,7 +93,13 @@ MAGPIE15=${MAGPIE15:-2994}    # stage 15: answers to the first N requests of the
 REPEAT15=${REPEAT15:-2}       # stage 15: those answers named this many times in --data
 STEPS15=${STEPS15:-180}       # stage 15: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG15=${AVG15:-5}             # stage 15: the mean of the last AVG15 exports
-STAGES=${STAGES:-15}
+MAGPIE16=${MAGPIE16:-500}     # stage 16: answers to the first N steered requests (train.magpie --openers)
+REPEAT16=${REPEAT16:-5}       # stage 16: those answers named this many times in --data
+STEPS16=${STEPS16:-180}       # stage 16: the run's length in optimizer steps (cosine decay to 0 over it)
+AVG16=${AVG16:-5}             # stage 16: the mean of the last AVG16 exports
+VOCAB16=${VOCAB16:-0}         # stage 16: 1 = the draft vocabulary re-chosen over stage 16's answers (v16c), 0 = stage 4's
+OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
+STAGES=${STAGES:-16}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -324,6 +332,34 @@ if [ "$STAGES" -ge 15 ]; then
     data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl"
     for _ in $(seq "$REPEAT15"); do data="$data,$RUN/answers-magpie3-$MAGPIE15.jsonl"; done
     schedule=cosine averaged 15 "$data" "$STEPS15" "$STEPS15" "$AVG15" 15 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5n) stage 16 (v16, STAGES=16): steered requests (train.magpie --openers: each opens with one of
+# $OPENERS, as MT-Bench's writing and role-play turns do; their own archive), the answers to the
+# first MAGPIE16 of their pool named REPEAT16 times beside stage 10's answers and the three Magpie
+# pools' once; stage 15's mean trained on them the same way (seed 17), the mean of its last exports.
+# VOCAB16=1 (the ablation v16c, not shipped) re-chooses the draft vocabulary as the 8,192 most
+# frequent tokens of those answers (stage 4 chose it on 1,123 GSM8K answers: it holds 85.5 % of the
+# target's MT-Bench answer tokens, the new one 92.2 %); the ids it adds start with zero Markov rows
+if [ "$STAGES" -ge 16 ]; then
+    python -m train.magpie --dtype bfloat16 --num_queries 3000 --openers "$OPENERS" --out "$RUN/magpie-open.jsonl" \
+        --archive datasets/magpie-open-smollm2-135m.jsonl.gz
+    [ -s "$RUN/prompts-magpie-open.jsonl" ] || python -m train.prompts --sources magpie \
+        --magpie_cache "$RUN/magpie-open.jsonl" --magpie_first 1500 --out "$RUN/prompts-magpie-open.jsonl"
+    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
+        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-open --limit "$MAGPIE16" --snapshot "$RUN/answers-open-$MAGPIE16.jsonl"
+    chat_mix "$MAGPIE12" 1
+    data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
+    vocab=()
+    if [ "$VOCAB16" = 1 ]; then
+        python -m train.vocab --data "$data,$RUN/answers-open-$MAGPIE16.jsonl" --vocab_size 49152 --coverage 0.9 \
+            --always 2,0 --min_size 8191 --out "$RUN/vocab-16.json"
+        vocab=(--draft_vocab "$RUN/vocab-16.json")
+    fi
+    for _ in $(seq "$REPEAT16"); do data="$data,$RUN/answers-open-$MAGPIE16.jsonl"; done
+    schedule=cosine averaged 16 "$data" "$STEPS16" "$STEPS16" "$AVG16" 17 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" \
+        "${vocab[@]}"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
