@@ -97,7 +97,7 @@ MAGPIE16=${MAGPIE16:-500}     # stage 16: answers to the first N steered request
 REPEAT16=${REPEAT16:-5}       # stage 16: those answers named this many times in --data
 STEPS16=${STEPS16:-180}       # stage 16: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG16=${AVG16:-5}             # stage 16: the mean of the last AVG16 exports
-VOCAB16=${VOCAB16:-0}         # stage 16: 1 = the draft vocabulary re-chosen over stage 16's answers (v16c), 0 = stage 4's
+VOCAB16=${VOCAB16:-0}         # stage 16: 1 = the vocabulary re-chosen on its answers (v16c), 0 = stage 4's
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
 STAGES=${STAGES:-16}
 for m in "$MAGPIE11" "$MAGPIE12"; do
