@@ -151,21 +151,21 @@ def remap_vocabulary(draft: K3DSparkModel, target_ids) -> K3DSparkModel:
     ids = np.asarray(target_ids, np.int64)
     src = params_lib.flat_params(draft)
     dtype = next(iter(src.values())).get_value().dtype
-    small = K3DSparkModel(DraftConfig.from_dict({**cfg.raw, "draft_vocab_size": int(ids.size)}), dtype=dtype,
+    moved = K3DSparkModel(DraftConfig.from_dict({**cfg.raw, "draft_vocab_size": int(ids.size)}), dtype=dtype,
                           rngs=nnx.Rngs(0))
-    set_vocab_map(small, ids)
+    set_vocab_map(moved, ids)
     # the draft's row index of each kept id (-1: not in its vocabulary)
     own = draft.draft_token_ids()
     row_of = np.full(cfg.vocab_size, -1, np.int64)
     row_of[np.arange(cfg.vocab_size) if own is None else np.asarray(own, np.int64)] = np.arange(cfg.draft_vocab)
     rows = row_of[ids]
-    for name, p in params_lib.flat_params(small).items():
+    for name, p in params_lib.flat_params(moved).items():
         value = src[name].get_value()
         if name == "markov_head.markov_w2.weight":
             kept = jnp.take(value, jnp.asarray(np.maximum(rows, 0)), axis=0)
             value = jnp.where(jnp.asarray(rows >= 0)[:, None], kept, jnp.zeros((), value.dtype))
         p.set_value(value)
-    return small
+    return moved
 
 
 def draft_inventory(cfg: DraftConfig, *, include_embed: bool = True,
