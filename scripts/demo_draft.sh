@@ -10,10 +10,11 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v16: this script's output with the
-# defaults below (stage 16: STEPS16 steps, the lr decayed to 0, the mean of its last AVG16 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v17: this script's output with the
+# defaults below (stage 17: two runs of STEPS17 steps, the lr decayed to 0, the mean of both runs'
+# last AVG17 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=15 gives v15 (the previous shipped draft), 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
+# STAGES=16 gives v16 (the previous shipped draft), 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
 # 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -23,7 +24,8 @@
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
-# shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file (its last 9 of
+# shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v17 from the
+# shipped v16 file (v16's last 9 of
 # 8,009 GSM8K/IFEval answers and 1 of 500 steered ones generated anew on an AMX CPU); the Magpie
 # requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's, 3,000
 # on the twelfth's and thirteenth's, the steered ones on the fifteenth's) are restored from their
@@ -98,8 +100,12 @@ REPEAT16=${REPEAT16:-5}       # stage 16: those answers named this many times in
 STEPS16=${STEPS16:-180}       # stage 16: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG16=${AVG16:-5}             # stage 16: the mean of the last AVG16 exports
 VOCAB16=${VOCAB16:-0}         # stage 16: 1 = the vocabulary re-chosen on its answers (v16c), 0 = stage 4's
+MAGPIE17=${MAGPIE17:-1500}    # stage 17: answers to the first N steered requests (all of their pool)
+REPEAT17=${REPEAT17:-3}       # stage 17: those answers named this many times in --data
+STEPS17=${STEPS17:-180}       # stage 17: each run's length in optimizer steps (cosine decay to 0 over it)
+AVG17=${AVG17:-5}             # stage 17: each run's mean of its last AVG17 exports
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-16}
+STAGES=${STAGES:-17}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -151,7 +157,7 @@ distill_on() {   # stage, --data, total steps, steps this run, compute dtype, se
     local stage=$1 data=$2 steps=$3 stop=$4 dtype=$5 seed=$6; shift 6
     python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$data" \
         --init_from "$final" --run_dir "$RUN/distill-$NAME-$stage" --total_steps "$steps" --global_batch 16 \
-        --micro_batch 4 --max_len 512 --num_anchors 128 --lr 3e-4 --lr_schedule "${schedule:-constant}" --warmup_frac 0.02 \
+        --micro_batch 4 --max_len 512 --num_anchors 128 --lr "${lr:-3e-4}" --lr_schedule "${schedule:-constant}" --warmup_frac 0.02 \
         --clip 1.0 --compute_dtype "$dtype" --save_every 10 --log_every 1 --eval_every 30 --seed "$seed" \
         --stop_after "$stop" "$@"
 }
@@ -360,6 +366,28 @@ if [ "$STAGES" -ge 16 ]; then
     for _ in $(seq "$REPEAT16"); do data="$data,$RUN/answers-open-$MAGPIE16.jsonl"; done
     schedule=cosine averaged 16 "$data" "$STEPS16" "$STEPS16" "$AVG16" 17 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" \
         "${vocab[@]}"
+fi
+
+# (5o) stage 17 (v17, STAGES=17): all of the steered pool's answers named REPEAT17 times beside the
+# same GSM8K-train, IFEval and three Magpie pools' answers once; two runs from stage 16's mean, one
+# at stage 16's peak lr 3e-4 (seed 18), one at 1e-4 (seed 19; the lower peak skips the fall in
+# held-out tok/fwd that every restart at 3e-4 began with), each the mean of its last AVG17 exports;
+# v17 is the mean of those two means (a soup: better than either on every measure). The two runs
+# are independent: on a 2-core machine run them at once (one per core, `taskset`).
+if [ "$STAGES" -ge 17 ]; then
+    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
+        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-open --limit "$MAGPIE17" --snapshot "$RUN/answers-open-$MAGPIE17.jsonl"
+    chat_mix "$MAGPIE12" 1
+    data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
+    for _ in $(seq "$REPEAT17"); do data="$data,$RUN/answers-open-$MAGPIE17.jsonl"; done
+    from16=$final
+    lr=3e-4 schedule=cosine averaged 17a "$data" "$STEPS17" "$STEPS17" "$AVG17" 18 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    mean_a=$final
+    final=$from16
+    lr=1e-4 schedule=cosine averaged 17b "$data" "$STEPS17" "$STEPS17" "$AVG17" 19 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    final="$RUN/distill-$NAME-17-soup"
+    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-17b/average-$STEPS17-last$AVG17" --out "$final"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
