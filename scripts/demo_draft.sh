@@ -372,7 +372,7 @@ fi
 # same GSM8K-train, IFEval and three Magpie pools' answers once; two runs from stage 16's mean, one
 # at stage 16's peak lr 3e-4 (seed 18), one at 1e-4 (seed 19; the lower peak skips the fall in
 # held-out tok/fwd that every restart at 3e-4 began with), each the mean of its last AVG17 exports;
-# v17 is the mean of those two means (a soup: better than either on every measure). The two runs
+# v17 is the mean of those two means (a soup: better than either on GSM8K and MT-Bench). The runs
 # are independent: on a 2-core machine run them at once (one per core, `taskset`).
 if [ "$STAGES" -ge 17 ]; then
     python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
@@ -387,7 +387,8 @@ if [ "$STAGES" -ge 17 ]; then
     final=$from16
     lr=1e-4 schedule=cosine averaged 17b "$data" "$STEPS17" "$STEPS17" "$AVG17" 19 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
     final="$RUN/distill-$NAME-17-soup"
-    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-17b/average-$STEPS17-last$AVG17" --out "$final"
+    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-17b/average-$STEPS17-last$AVG17" \
+        --out "$final"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
