@@ -198,6 +198,13 @@ magpie_pool() {   # pool number, requests sampled, earlier pools: the pool of th
         --archive "datasets/answers-smollm2-135m-magpie-$n" --limit "$limit" --snapshot "$RUN/answers-magpie$n-$limit.jsonl"
 }
 
+steered_answers() {   # the answers to the first $1 steered requests (restored from their archive, the
+    # rest generated), frozen as $RUN/answers-open-$1.jsonl
+    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
+        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-open --limit "$1" --snapshot "$RUN/answers-open-$1.jsonl"
+}
+
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
 # distillation from a random init
 [ -s "$RUN/answers-$LIMIT.jsonl" ] || answers "$LIMIT"
@@ -352,9 +359,7 @@ if [ "$STAGES" -ge 16 ]; then
         --archive datasets/magpie-open-smollm2-135m.jsonl.gz
     [ -s "$RUN/prompts-magpie-open.jsonl" ] || python -m train.prompts --sources magpie \
         --magpie_cache "$RUN/magpie-open.jsonl" --magpie_first 1500 --out "$RUN/prompts-magpie-open.jsonl"
-    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
-        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie-open --limit "$MAGPIE16" --snapshot "$RUN/answers-open-$MAGPIE16.jsonl"
+    steered_answers "$MAGPIE16"
     chat_mix "$MAGPIE12" 1
     data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
     vocab=()
@@ -375,9 +380,7 @@ fi
 # v17 is the mean of those two means (a soup: better than either on GSM8K and MT-Bench). The runs
 # are independent: on a 2-core machine run them at once (one per core, `taskset`).
 if [ "$STAGES" -ge 17 ]; then
-    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
-        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie-open --limit "$MAGPIE17" --snapshot "$RUN/answers-open-$MAGPIE17.jsonl"
+    steered_answers "$MAGPIE17"
     chat_mix "$MAGPIE12" 1
     data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
     for _ in $(seq "$REPEAT17"); do data="$data,$RUN/answers-open-$MAGPIE17.jsonl"; done
