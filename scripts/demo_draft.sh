@@ -10,11 +10,11 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v17: this script's output with the
-# defaults below (stage 17: two runs of STEPS17 steps, the lr decayed to 0, the mean of both runs'
-# last AVG17 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v18: this script's output with the
+# defaults below (stage 18: two runs of STEPS18 steps, the lr decayed to 0, the mean of both runs'
+# last AVG18 exports;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=16 gives v16 (the previous shipped draft), 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
+# STAGES=17 gives v17 (the previous shipped draft), 16 v16, 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
 # 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -24,7 +24,7 @@
 # faster training step (the same loss; the bf16 teacher lm_head's rounding differs); v8 from the
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
-# shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v17 from the
+# shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v18 from the shipped v17 file, v17 from the
 # shipped v16 file (v16's last 9 of
 # 8,009 GSM8K/IFEval answers and 1 of 500 steered ones generated anew on an AMX CPU); the Magpie
 # requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's, 3,000
@@ -104,8 +104,13 @@ MAGPIE17=${MAGPIE17:-1500}    # stage 17: answers to the first N steered request
 REPEAT17=${REPEAT17:-3}       # stage 17: those answers named this many times in --data
 STEPS17=${STEPS17:-180}       # stage 17: each run's length in optimizer steps (cosine decay to 0 over it)
 AVG17=${AVG17:-5}             # stage 17: each run's mean of its last AVG17 exports
+MAGPIE18=${MAGPIE18:-1498}    # stage 18: answers to the first N requests of the second steered pool (all)
+REPEAT18A=${REPEAT18A:-3}     # stage 18: both steered pools' answers named this many times (run a) ...
+REPEAT18B=${REPEAT18B:-2}     # ... and this many (run b)
+STEPS18=${STEPS18:-180}       # stage 18: each run's length in optimizer steps (cosine decay to 0 over it)
+AVG18=${AVG18:-5}             # stage 18: each run's mean of its last AVG18 exports
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-17}
+STAGES=${STAGES:-18}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -198,11 +203,13 @@ magpie_pool() {   # pool number, requests sampled, earlier pools: the pool of th
         --archive "datasets/answers-smollm2-135m-magpie-$n" --limit "$limit" --snapshot "$RUN/answers-magpie$n-$limit.jsonl"
 }
 
-steered_answers() {   # the answers to the first $1 steered requests (restored from their archive, the
-    # rest generated), frozen as $RUN/answers-open-$1.jsonl
-    python -m train.regen --prompts "$RUN/prompts-magpie-open.jsonl" --out "$RUN/regen-magpie-open.jsonl" \
+steered_answers() {   # the answers to the first $1 requests of steered pool $2 (default 1; restored
+    # from their archive, the rest generated), frozen as $RUN/answers-open-$1.jsonl (pool 2: open2-)
+    local suffix="" tag=open
+    if [ "${2:-1}" != 1 ]; then suffix="-$2"; tag="open$2"; fi
+    python -m train.regen --prompts "$RUN/prompts-magpie-open$suffix.jsonl" --out "$RUN/regen-magpie-open$suffix.jsonl" \
         --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
-        --archive datasets/answers-smollm2-135m-magpie-open --limit "$1" --snapshot "$RUN/answers-open-$1.jsonl"
+        --archive "datasets/answers-smollm2-135m-magpie-open$suffix" --limit "$1" --snapshot "$RUN/answers-$tag-$1.jsonl"
 }
 
 # (2, 3) stage 1 (v0): SmolLM2's answers through generate() with the serving chat template, then
@@ -391,6 +398,32 @@ if [ "$STAGES" -ge 17 ]; then
     lr=1e-4 schedule=cosine averaged 17b "$data" "$STEPS17" "$STEPS17" "$AVG17" 19 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
     final="$RUN/distill-$NAME-17-soup"
     [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-17b/average-$STEPS17-last$AVG17" \
+        --out "$final"
+fi
+
+# (5p) stage 18 (v18, STAGES=18): the steered archive's other 1,500 requests (less the first steered
+# pool and its near-duplicates) as a second steered pool; all of its answers and the first steered
+# pool's named REPEAT18A times (run a, seed 20) or REPEAT18B times (run b, seed 21) beside stage
+# 17's other answers once; both runs from stage 17's soup at lr 1e-4, each the mean of its last
+# AVG18 exports; v18 is the mean of those two means. Run them at once, one per core.
+if [ "$STAGES" -ge 18 ]; then
+    [ -s "$RUN/prompts-magpie-open-2.jsonl" ] || python -m train.prompts --sources magpie \
+        --magpie_cache "$RUN/magpie-open.jsonl" --magpie_first 3000 --exclude_pool "$RUN/prompts-magpie-open.jsonl" \
+        --aime_file ../shared/data/aime2026.jsonl --out "$RUN/prompts-magpie-open-2.jsonl"
+    steered_answers "$MAGPIE18" 2
+    chat_mix "$MAGPIE12" 1
+    data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
+    data_a=$data data_b=$data
+    steered="$RUN/answers-open-$MAGPIE17.jsonl,$RUN/answers-open2-$MAGPIE18.jsonl"
+    for _ in $(seq "$REPEAT18A"); do data_a="$data_a,$steered"; done
+    for _ in $(seq "$REPEAT18B"); do data_b="$data_b,$steered"; done
+    from17=$final
+    lr=1e-4 schedule=cosine averaged 18a "$data_a" "$STEPS18" "$STEPS18" "$AVG18" 20 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    mean_a=$final
+    final=$from17
+    lr=1e-4 schedule=cosine averaged 18b "$data_b" "$STEPS18" "$STEPS18" "$AVG18" 21 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    final="$RUN/distill-$NAME-18-soup"
+    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-18b/average-$STEPS18-last$AVG18" \
         --out "$final"
 fi
 
