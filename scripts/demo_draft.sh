@@ -181,6 +181,21 @@ averaged() {   # stage, --data, total steps, steps this run, exports averaged, s
         --out "$final"
 }
 
+souped() {   # stage, steps, exports averaged, then peak lr, seed, --data of run a and of run b: two
+    # cosine runs from $final (run them at once, one per core), each the mean of its last exports;
+    # sets $final to the mean of the two means (a weight soup)
+    local stage=$1 steps=$2 avg=$3 start=$final mean_a
+    lr=$4 schedule=cosine averaged "${stage}a" "$6" "$steps" "$steps" "$avg" "$5" \
+        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    mean_a=$final
+    final=$start
+    lr=$7 schedule=cosine averaged "${stage}b" "$9" "$steps" "$steps" "$avg" "$8" \
+        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    [ -d "$RUN/distill-$NAME-$stage-soup" ] || python -m train.average --drafts "$mean_a,$final" \
+        --out "$RUN/distill-$NAME-$stage-soup"
+    final="$RUN/distill-$NAME-$stage-soup"
+}
+
 chat_mix() {   # the answers to the first $1 Magpie requests (restored from their archive, the rest
     # generated), frozen as a snapshot; sets $data to stage 10's answers plus that snapshot named $2 times
     python -m train.regen --prompts "$RUN/prompts-magpie.jsonl" --out "$RUN/regen-magpie.jsonl" --model smollm2-135m \
@@ -391,14 +406,7 @@ if [ "$STAGES" -ge 17 ]; then
     chat_mix "$MAGPIE12" 1
     data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl"
     for _ in $(seq "$REPEAT17"); do data="$data,$RUN/answers-open-$MAGPIE17.jsonl"; done
-    from16=$final
-    lr=3e-4 schedule=cosine averaged 17a "$data" "$STEPS17" "$STEPS17" "$AVG17" 18 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
-    mean_a=$final
-    final=$from16
-    lr=1e-4 schedule=cosine averaged 17b "$data" "$STEPS17" "$STEPS17" "$AVG17" 19 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
-    final="$RUN/distill-$NAME-17-soup"
-    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-17b/average-$STEPS17-last$AVG17" \
-        --out "$final"
+    souped 17 "$STEPS17" "$AVG17" 3e-4 18 "$data" 1e-4 19 "$data"
 fi
 
 # (5p) stage 18 (v18, STAGES=18): the steered archive's other 1,500 requests (less the first steered
@@ -417,14 +425,7 @@ if [ "$STAGES" -ge 18 ]; then
     steered="$RUN/answers-open-$MAGPIE17.jsonl,$RUN/answers-open2-$MAGPIE18.jsonl"
     for _ in $(seq "$REPEAT18A"); do data_a="$data_a,$steered"; done
     for _ in $(seq "$REPEAT18B"); do data_b="$data_b,$steered"; done
-    from17=$final
-    lr=1e-4 schedule=cosine averaged 18a "$data_a" "$STEPS18" "$STEPS18" "$AVG18" 20 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
-    mean_a=$final
-    final=$from17
-    lr=1e-4 schedule=cosine averaged 18b "$data_b" "$STEPS18" "$STEPS18" "$AVG18" 21 --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
-    final="$RUN/distill-$NAME-18-soup"
-    [ -d "$final" ] || python -m train.average --drafts "$mean_a,$RUN/distill-$NAME-18b/average-$STEPS18-last$AVG18" \
-        --out "$final"
+    souped 18 "$STEPS18" "$AVG18" 1e-4 20 "$data_a" 1e-4 21 "$data_b"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
