@@ -10,11 +10,11 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v19: this script's output with the
-# defaults below (stage 19: one run of STEPS19 steps, the lr decayed to 0, the mean of its last
-# AVG19 exports;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v20: this script's output with the
+# defaults below (stage 20: one run of STEPS20 steps, the lr decayed to 0, the mean of its last
+# AVG20 exports, averaged with stage 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=18 gives v18 (the previous shipped draft), 17 v17, 16 v16, 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
+# STAGES=19 gives v19 (the previous shipped draft), 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
 # 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -25,7 +25,7 @@
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
 # shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v18 from the
-# shipped v17 file, v19 from the shipped v18 file, v17 from the shipped v16 file (v16's last 9 of
+# shipped v17 file, v19 from the shipped v18 file, v20 from v19, v17 from the shipped v16 file (v16's last 9 of
 # 8,009 GSM8K/IFEval answers and 1 of 500 steered ones generated anew on an AMX CPU); the Magpie
 # requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's, 3,000
 # on the twelfth's and thirteenth's, the steered ones on the fifteenth's) are restored from their
@@ -112,8 +112,13 @@ AVG18=${AVG18:-5}             # stage 18: each run's mean of its last AVG18 expo
 MAGPIE19=${MAGPIE19:-1509}    # stage 19: answers to the first N requests of the fourth Magpie pool
 STEPS19=${STEPS19:-180}       # stage 19: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG19=${AVG19:-5}             # stage 19: the mean of the last AVG19 exports
+ROLE20=${ROLE20:-1000}        # stage 20: answers to the first N role-play-steered requests
+REPEAT20=${REPEAT20:-3}       # stage 20: those answers named this many times in --data
+STEPS20=${STEPS20:-150}       # stage 20: the run's length in optimizer steps (cosine decay to 0 over it)
+AVG20=${AVG20:-5}             # stage 20: the mean of the last AVG20 exports
+ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-19}
+STAGES=${STAGES:-20}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -446,6 +451,29 @@ if [ "$STAGES" -ge 19 ]; then
     for _ in $(seq "$REPEAT18B"); do data="$data,$RUN/answers-open-$MAGPIE17.jsonl,$RUN/answers-open2-$MAGPIE18.jsonl"; done
     lr=1e-4 schedule=cosine averaged 19 "$data" "$STEPS19" "$STEPS19" "$AVG19" 22 \
         --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+fi
+
+# (5r) stage 20 (v20, STAGES=20): a role-play-steered Magpie pool (requests opened with "Pretend
+# you are", "Act as a", "Play the role of", ...: MT-Bench's first 20 questions are writing and
+# role-play; its own archive), the answers to its first ROLE20 requests named REPEAT20 times beside
+# stage 19's data; one run from stage 19's draft at lr 1e-4 (seed 23), the mean of its last AVG20
+# exports; v20 is that mean averaged with stage 19's draft.
+if [ "$STAGES" -ge 20 ]; then
+    python -m train.magpie --dtype bfloat16 --num_queries 1500 --openers "$ROLE_OPENERS" \
+        --out "$RUN/magpie-role.jsonl" --archive datasets/magpie-role-smollm2-135m.jsonl.gz
+    [ -s "$RUN/prompts-magpie-role.jsonl" ] || python -m train.prompts --sources magpie \
+        --magpie_cache "$RUN/magpie-role.jsonl" --magpie_first 1500 --aime_file ../shared/data/aime2026.jsonl \
+        --out "$RUN/prompts-magpie-role.jsonl"
+    python -m train.regen --prompts "$RUN/prompts-magpie-role.jsonl" --out "$RUN/regen-magpie-role.jsonl" \
+        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-role --limit "$ROLE20" --snapshot "$RUN/answers-role-$ROLE20.jsonl"
+    for _ in $(seq "$REPEAT20"); do data="$data,$RUN/answers-role-$ROLE20.jsonl"; done
+    start=$final
+    lr=1e-4 schedule=cosine averaged 20 "$data" "$STEPS20" "$STEPS20" "$AVG20" 23 \
+        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl"
+    [ -d "$RUN/distill-$NAME-20-soup" ] || python -m train.average --drafts "$start,$final" \
+        --out "$RUN/distill-$NAME-20-soup"
+    final="$RUN/distill-$NAME-20-soup"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
