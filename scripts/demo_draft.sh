@@ -14,8 +14,8 @@
 # defaults below (stage 20: one run of STEPS20 steps, the lr decayed to 0, the mean of its last
 # AVG20 exports, averaged with stage 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=19 gives v19 (the previous shipped draft), 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13, 12 v12, 11 v11, 10 v10, 9 v9, 8 v8,
-# 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
+# STAGES=19 gives v19 (the previous shipped draft), 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
+# 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
 # the float32 target and the rest from the bfloat16 one (each answer records its dtype). v6 was
@@ -25,10 +25,11 @@
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
 # shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v18 from the
-# shipped v17 file, v19 from the shipped v18 file, v20 from v19, v17 from the shipped v16 file (v16's last 9 of
-# 8,009 GSM8K/IFEval answers and 1 of 500 steered ones generated anew on an AMX CPU); the Magpie
-# requests (the first 3,000 sampled on the ninth session's CPU, 3,000 more on the eleventh's, 3,000
-# on the twelfth's and thirteenth's, the steered ones on the fifteenth's) are restored from their
+# shipped v17 file, v19 from the shipped v18 file, v20 from the shipped v19 file, v17 from the
+# shipped v16 file (v16's last 9 of 8,009 GSM8K/IFEval answers and 1 of 500 steered ones
+# generated anew on an AMX CPU); the Magpie requests (the first 3,000 sampled on the ninth session's
+# CPU, 3,000 more on the eleventh's, 3,000 on the twelfth's and thirteenth's, the steered ones on
+# the fifteenth's, the role-play ones on the nineteenth's) are restored from their
 # committed archives (sampling differs from CPU to CPU).
 # Options: WARM=1 starts stage 1 from the target's weights (train.distill --warm_start) instead of a
 # random init; EVAL_EVERY=N measures the held-out served tok/fwd (GSM8K test 60..67) every N steps
@@ -214,13 +215,15 @@ chat_mix() {   # the answers to the first $1 Magpie requests (restored from thei
 }
 
 magpie_pool() {   # pool number, requests sampled, earlier pools: the pool of the cache's first N requests
-    # less the earlier pools' prompts and their near-duplicates; its answers to the first $4 requests
-    # (restored from their archive, the rest generated) frozen as $RUN/answers-magpie$1-$4.jsonl
+    # less the earlier pools' prompts, their near-duplicates and benchmark overlaps; its answers to
+    # the first $4 requests (restored from their archive, the rest generated) frozen as
+    # $RUN/answers-magpie$1-$4.jsonl
     local n=$1 first=$2 exclude=$3 limit=$4
     python -m train.magpie --dtype bfloat16 --num_queries "$first" --out "$RUN/magpie.jsonl" \
         --archive datasets/magpie-smollm2-135m.jsonl.gz
     [ -s "$RUN/prompts-magpie-$n.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
-        --magpie_first "$first" --exclude_pool "$exclude" --out "$RUN/prompts-magpie-$n.jsonl"
+        --magpie_first "$first" --exclude_pool "$exclude" --aime_file ../shared/data/aime2026.jsonl \
+        --out "$RUN/prompts-magpie-$n.jsonl"
     python -m train.regen --prompts "$RUN/prompts-magpie-$n.jsonl" --out "$RUN/regen-magpie-$n.jsonl" --model smollm2-135m \
         --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
         --archive "datasets/answers-smollm2-135m-magpie-$n" --limit "$limit" --snapshot "$RUN/answers-magpie$n-$limit.jsonl"
@@ -442,9 +445,6 @@ fi
 # 22), the mean of its last AVG19 exports.
 # (Its mean with stage 18's soup measured 2.473 / 1.482: more GSM8K, less MT-Bench; not taken.)
 if [ "$STAGES" -ge 19 ]; then
-    [ -s "$RUN/prompts-magpie-4.jsonl" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/magpie.jsonl" \
-        --magpie_first 12000 --exclude_pool "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl,$RUN/prompts-magpie-3.jsonl" \
-        --aime_file ../shared/data/aime2026.jsonl --out "$RUN/prompts-magpie-4.jsonl"
     magpie_pool 4 12000 "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl,$RUN/prompts-magpie-3.jsonl" "$MAGPIE19"
     chat_mix "$MAGPIE12" 1
     data="$data,$RUN/answers-magpie2-$MAGPIE14.jsonl,$RUN/answers-magpie3-$MAGPIE15.jsonl,$RUN/answers-magpie4-$MAGPIE19.jsonl"
