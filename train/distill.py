@@ -26,7 +26,7 @@ acceptance benchmark's first 60; or --eval_prompts_file) at the start and every 
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
 --cpu_budget S stops (saving and exporting) once the training steps have used S process CPU seconds
 in all; metrics.jsonl records every step's and the running total (scripts/ablate.sh: equal-CPU-time
-ablations).
+ablations); --time_budget S stops the same way after S wall-clock seconds of this invocation.
 
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
@@ -106,6 +106,8 @@ flags.DEFINE_integer("stop_after", None, "Stop after this many steps in this inv
 flags.DEFINE_float("cpu_budget", None, "Stop (save, export) once the run's training steps have used this many "
                    "process CPU seconds in all (recorded per step in metrics.jsonl; evaluation not counted): "
                    "equal-CPU-time ablations.", lower_bound=1.0)
+flags.DEFINE_float("time_budget", None, "Stop (save, export) once this invocation's training loop has run this "
+                   "many wall-clock seconds (a machine held for a fixed time).", lower_bound=1.0)
 flags.mark_flags_as_required(["run_dir"])
 
 
@@ -233,7 +235,8 @@ def main(argv: list[str]) -> None:
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
             f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
-    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator, cpu_budget=FLAGS.cpu_budget)
+    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator, cpu_budget=FLAGS.cpu_budget,
+                    time_budget=FLAGS.time_budget)
     if settings.multi_process:
         _export_multihost(trainer, Path(FLAGS.run_dir), log)
     log("done")

@@ -442,7 +442,7 @@ def _cpu_seconds_so_far(path: Path) -> float:
 
 
 def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=None,
-        cpu_budget: float | None = None) -> list[dict]:
+        cpu_budget: float | None = None, time_budget: float | None = None) -> list[dict]:
     """Train to `cfg.total_steps` (or `stop_after` more steps), resuming from the run dir's
     latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
     {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps.
@@ -450,7 +450,8 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
     Every step records its process CPU seconds (all threads; evaluation excluded) and the run's
     running total `cpu_seconds`, which survives resumption; with `cpu_budget` the run saves,
     exports and stops at the first step that brings the total to the budget (the equal-CPU-time
-    ablations compare runs whose steps cost differently)."""
+    ablations compare runs whose steps cost differently). `time_budget` does the same once this
+    call has run that many wall-clock seconds (a run on a lent machine held for a fixed time)."""
     cfg = trainer.cfg
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -478,6 +479,7 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
     history = []
     end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
     t_start, last_saved = time.time(), start
+    deadline = None if time_budget is None else t_start + time_budget
     if cpu_budget is not None and cpu_total >= cpu_budget:
         trainer.log(f"CPU budget {cpu_budget:.0f}s already spent ({cpu_total:.0f}s at step {start})")
         end = start
@@ -492,7 +494,8 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
             m["step_cpu_seconds"] = time.process_time() - c0
             cpu_total += m["step_cpu_seconds"]
             m["cpu_seconds"] = cpu_total
-            over_budget = cpu_budget is not None and cpu_total >= cpu_budget
+            out_of_time = deadline is not None and time.time() >= deadline
+            over_budget = (cpu_budget is not None and cpu_total >= cpu_budget) or out_of_time
             history.append(m)
             if lead:
                 with open(metrics_path, "a") as f:
@@ -517,6 +520,9 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
                 last_saved = step + 1
                 if cfg.export:
                     _export_latest(trainer, run_dir, step + 1)
+            if out_of_time:
+                trainer.log(f"time budget spent: {time.time() - t_start:.0f}s at step {step + 1}")
+                break
             if over_budget:
                 trainer.log(f"CPU budget spent: {cpu_total:.0f}s of training CPU time at step {step + 1}")
                 break

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Distil the demo draft on a lent GPU machine held for a fixed time (no network; its image has JAX,
+# Flax, Optax and Orbax): the target arrives as `python -m benchmarks.gpu_payload pack`'s parts (its
+# extras add the gguf and tensorboardX zips the image lacks), the answers as a tar of regen
+# snapshots. Several runs (RUNS) train at once on the one GPU, each a cosine run from INIT; their
+# length is planned from a short probe of the same runs (same shapes, so the main runs reuse the
+# probe's compiled steps from JAX's persistent cache) to end inside BUDGET seconds, with
+# train.distill --time_budget as the backstop. Each run's mean of its last AVG exports comes back
+# as model.safetensors cut into parts of at most 15 MiB (a device run returns files of 16 MiB at
+# most): `cat OUT/NAME/model.safetensors.part-* > model.safetensors` and check OUT/summary.json's
+# sha256; the config is INIT's.
+# Usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [more train.distill flags]
+# Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
+# repository first), RUNS ("name:lr:seed ..."), INIT, TARGET (default: the payload's converted
+# target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for the
+# averaging and packing), PYTHON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [train.distill flags]}
+budget=${2:?usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [train.distill flags]}
+shift 2
+t0=$(date +%s)
+deadline=$((t0 + budget))
+PY=${PYTHON:-python3}
+RUNS=${RUNS:-"a:1e-4:30"}
+INIT=${INIT:-dspark_jax/drafts/smollm2-135m-dspark}
+BATCH=${BATCH:-64}
+MICRO=${MICRO:-32}
+ANCHORS=${ANCHORS:-128}
+MAX_LEN=${MAX_LEN:-512}
+AVG=${AVG:-5}
+PROBE=${PROBE:-12}
+RESERVE=${RESERVE:-45}
+WORK=${WORK:-runs/gpu}
+payload=${DSPARK_GPU_PAYLOAD:-.gpu_payload}
+mkdir -p "$out" "$WORK"
+log="$out/gpu_distill.log"
+say() { echo "[gpu_distill $(($(date +%s) - t0))s] $*" | tee -a "$log"; }
+export PYTHONUNBUFFERED=1
+for z in "$payload"/extras/*.zip; do [ -f "$z" ] && export PYTHONPATH="$PWD/$z${PYTHONPATH:+:$PYTHONPATH}"; done
+if [ -z "${TARGET:-}" ]; then
+    $PY -m benchmarks.gpu_payload assemble --dir "$payload" 2>&1 | tail -n 2 | tee -a "$log"
+    TARGET="$payload/smollm2-135m"
+fi
+[ -n "${DATA_TAR:-}" ] && tar -xf "$DATA_TAR" && say "extracted $DATA_TAR"
+: "${DATA:?DATA: the comma-separated regen snapshots to train on}"
+# the probe's compiled steps serve the main runs (same shapes)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+n_runs=$(wc -w <<< "$RUNS")
+# the pure-JAX attention the CPU trains with; DSPARK_KERNELS=auto trains through the Pallas kernels
+export DSPARK_KERNELS=${DSPARK_KERNELS:-off}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "print(round(0.9 / $n_runs, 2))")}
+
+distill() {   # name lr seed run_dir total_steps, more flags
+    local name=$1 lr=$2 seed=$3 dir=$4 steps=$5; shift 5
+    $PY -m train.distill --target "$TARGET" --target_dtype bfloat16 --data "$DATA" --init_from "$INIT" \
+        --run_dir "$dir" --total_steps "$steps" --global_batch "$BATCH" --micro_batch "$MICRO" \
+        --max_len "$MAX_LEN" --num_anchors "$ANCHORS" --lr "$lr" --lr_schedule cosine --warmup_frac 0.02 \
+        --clip 1.0 --compute_dtype bfloat16 --log_every 10 --seed "$seed" "$@" > "$dir.log" 2>&1
+}
+at_once() {   # phase (probe|main), total steps, more flags: every run of RUNS at once
+    local phase=$1 steps=$2 pids=() spec name lr seed dir rc=0; shift 2
+    for spec in $RUNS; do
+        IFS=: read -r name lr seed <<< "$spec"
+        dir="$WORK/$phase-$name"
+        [ "$phase" = probe ] && rm -rf "$dir"
+        mkdir -p "$dir"
+        distill "$name" "$lr" "$seed" "$dir" "$steps" "$@" &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    for spec in $RUNS; do
+        IFS=: read -r name _ _ <<< "$spec"
+        grep -E "step [0-9]+/|error|Error" "$WORK/$phase-$name.log" | tail -n 3 | sed "s/^/[$phase-$name] /" | tee -a "$log"
+    done
+    return $rc
+}
+
+p0=$(date +%s)
+say "probe: $PROBE steps of $BATCH sequences, runs: $RUNS"
+if ! at_once probe 100000 --stop_after "$PROBE" --save_every 100000 --keep_exports 1; then
+    MICRO=$((MICRO / 2))       # out of memory is the likely cause: once more with half the micro-batch
+    [ "$MICRO" -ge 1 ] || { say "probe failed"; exit 1; }
+    say "probe failed; again with micro-batch $MICRO"
+    p0=$(date +%s)
+    at_once probe 100000 --stop_after "$PROBE" --save_every 100000 --keep_exports 1 || { say "probe failed"; exit 1; }
+fi
+p1=$(date +%s)
+read -r step_s overhead <<< "$("$PY" - "$WORK" "$RUNS" "$((p1 - p0))" <<'EOF'
+import json, statistics, sys
+work, runs, wall = sys.argv[1], sys.argv[2].split(), float(sys.argv[3])
+steady, n = [], 0
+for spec in runs:
+    rows = [json.loads(l) for l in open(f"{work}/probe-{spec.split(':')[0]}/metrics.jsonl")]
+    steady.append(statistics.median(r["step_seconds"] for r in rows[2:]))
+    n = len(rows)
+# start-up: loading, compiling (the first step) and saving, all counted again for the main runs
+print(f"{max(steady):.4f} {wall - n * max(steady):.1f}")
+EOF
+)"
+left=$((deadline - $(date +%s) - RESERVE))
+# 30 s more for the main runs' 20 checkpoints and exports
+steps=$("$PY" -c "print(max(10, int(($left - $overhead - 30) / $step_s)))")
+every=$(( steps / 20 > 0 ? steps / 20 : 1 ))
+say "probe: ${step_s}s/step with every run at once, ${overhead}s start-up and compilation; main runs: $steps steps, exports every $every, ${left}s left"
+at_once main "$steps" --save_every "$every" --keep_exports "$AVG" --time_budget "$((left - ${overhead%.*}))" "$@" \
+    || say "a main run failed (its log: $WORK/main-NAME.log)"
+
+summary=()
+for spec in $RUNS; do
+    IFS=: read -r name lr seed <<< "$spec"
+    dir="$WORK/main-$name"
+    ls -d "$dir"/export/step_* > /dev/null 2>&1 || { say "$name: no export"; continue; }
+    $PY -m train.average --drafts "$dir/export/step_*" --last "$AVG" --out "$dir-avg" 2>&1 | tail -n 1 | tee -a "$log"
+    mkdir -p "$out/$name"
+    split -b 15M -d -a 2 "$dir-avg/model.safetensors" "$out/$name/model.safetensors.part-"
+    last=$(tail -n 1 "$dir/metrics.jsonl")
+    summary+=("$name" "$lr" "$seed" "$(sha256sum "$dir-avg/model.safetensors" | cut -d' ' -f1)" "$last")
+done
+"$PY" - "$out/summary.json" "$step_s" "$steps" "$BATCH" "${summary[@]}" <<'EOF'
+import json, sys
+path, step_s, steps, batch, rest = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+runs = [dict(zip(("name", "lr", "seed", "sha256", "last_step"), rest[i:i + 5])) for i in range(0, len(rest), 5)]
+for r in runs:
+    r["last_step"] = json.loads(r["last_step"])
+json.dump({"probe_step_seconds": step_s, "planned_steps": steps, "global_batch": batch, "runs": runs},
+          open(path, "w"), indent=1)
+EOF
+say "done: $out/summary.json"
