@@ -10,11 +10,12 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v20: this script's output with the
-# defaults below (stage 20: one run of STEPS20 steps, the lr decayed to 0, the mean of its last
-# AVG20 exports, averaged with stage 19's draft;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v21: this script's output with the
+# defaults below (stage 21: v20 trained on a GPU, STEPS21 steps of BATCH21 sequences, the lr decayed
+# to 0, the mean of its last AVG21 exports; v20 = stage 20: one run of STEPS20 steps, the mean of
+# its last AVG20 exports, averaged with stage 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=19 gives v19 (the previous shipped draft), 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
+# STAGES=20 gives v20 (the previous shipped draft), 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
 # 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -25,7 +26,9 @@
 # shipped v7 file (stage 7's mean), v9 from the shipped v8 file (stage 8's mean), v10 from the
 # shipped v9 file, v12 from the shipped v11 file, v13 from the shipped v12 file, v14 from the
 # shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v18 from the
-# shipped v17 file, v19 from the shipped v18 file, v20 from the shipped v19 file, v17 from the
+# shipped v17 file, v19 from the shipped v18 file, v20 from the shipped v19 file, v21 from the
+# shipped v20 file on an H200 (stopped by its time budget at step 1,145, resumed to 2,153 in a
+# second device call), v17 from the
 # shipped v16 file (v16's last 9 of 8,009 GSM8K/IFEval answers and 1 of 500 steered ones
 # generated anew on an AMX CPU); the Magpie requests (the first 3,000 sampled on the ninth session's
 # CPU, 3,000 more on the eleventh's, 3,000 on the twelfth's and thirteenth's, the steered ones on
@@ -117,9 +120,13 @@ ROLE20=${ROLE20:-1000}        # stage 20: answers to the first N role-play-steer
 REPEAT20=${REPEAT20:-3}       # stage 20: those answers named this many times in --data
 STEPS20=${STEPS20:-150}       # stage 20: the run's length in optimizer steps (cosine decay to 0 over it)
 AVG20=${AVG20:-5}             # stage 20: the mean of the last AVG20 exports
+STEPS21=${STEPS21:-2153}      # stage 21: the run's length in optimizer steps of BATCH21 sequences (cosine to 0)
+BATCH21=${BATCH21:-64}        # stage 21: sequences per step (two micro-batches of 32)
+LR21=${LR21:-3e-4}            # stage 21: peak lr (v21; 1e-4 measured worse)
+AVG21=${AVG21:-5}             # stage 21: the mean of the last AVG21 exports (107 steps apart)
 ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-20}
+STAGES=${STAGES:-21}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -467,6 +474,7 @@ if [ "$STAGES" -ge 20 ]; then
     python -m train.regen --prompts "$RUN/prompts-magpie-role.jsonl" --out "$RUN/regen-magpie-role.jsonl" \
         --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
         --archive datasets/answers-smollm2-135m-magpie-role --limit "$ROLE20" --snapshot "$RUN/answers-role-$ROLE20.jsonl"
+    data19=$data
     for _ in $(seq "$REPEAT20"); do data="$data,$RUN/answers-role-$ROLE20.jsonl"; done
     start=$final
     lr=1e-4 schedule=cosine averaged 20 "$data" "$STEPS20" "$STEPS20" "$AVG20" 23 \
@@ -474,6 +482,26 @@ if [ "$STAGES" -ge 20 ]; then
     [ -d "$RUN/distill-$NAME-20-soup" ] || python -m train.average --drafts "$start,$final" \
         --out "$RUN/distill-$NAME-20-soup"
     final="$RUN/distill-$NAME-20-soup"
+fi
+
+# (5s) stage 21 (v21, STAGES=21): the GPU stage. Stage 19's data plus all 1,500 role-play answers
+# named REPEAT20 times (28,966 sequences), from v20: STEPS21 steps of BATCH21 sequences (138k
+# sequences, 4.8 epochs) at peak lr LR21 decayed to 0 (cosine, 2 % warmup, seed 31), exported every
+# 107 steps; v21 is the mean of the last AVG21 exports. About 7 minutes of an H200
+# (scripts/gpu_distill.sh, README "Distilling on a GPU"), about 50 hours of this 2-core CPU.
+if [ "$STAGES" -ge 21 ]; then
+    python -m train.regen --prompts "$RUN/prompts-magpie-role.jsonl" --out "$RUN/regen-magpie-role.jsonl" \
+        --model smollm2-135m --dtype bfloat16 --max_new_tokens 256 --batch_size 8 --temperature 0 \
+        --archive datasets/answers-smollm2-135m-magpie-role --limit 1500 --snapshot "$RUN/answers-role-1500.jsonl"
+    data="$data19"
+    for _ in $(seq "$REPEAT20"); do data="$data,$RUN/answers-role-1500.jsonl"; done
+    python -m train.distill --target smollm2-135m --target_dtype bfloat16 --data "$data" --init_from "$final" \
+        --run_dir "$RUN/distill-$NAME-21" --total_steps "$STEPS21" --global_batch "$BATCH21" --micro_batch 32 \
+        --max_len 512 --num_anchors 128 --lr "$LR21" --lr_schedule cosine --warmup_frac 0.02 --clip 1.0 \
+        --compute_dtype bfloat16 --save_every 107 --keep_exports "$AVG21" --log_every 10 --seed 31
+    final="$RUN/distill-$NAME-21/average-last$AVG21"
+    [ -d "$final" ] || python -m train.average --drafts "$RUN/distill-$NAME-21/export/step_*" --last "$AVG21" \
+        --out "$final"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)

@@ -244,6 +244,28 @@ def test_cpu_budget_stops_the_run_and_its_total_survives_resumption(pair, sample
                                                              rel=1e-12)
 
 
+def test_time_budget_stops_with_a_checkpoint_and_export_and_a_rerun_continues(pair, samples, tmp_path):
+    """A machine held for a fixed time: the wall-clock budget of one invocation stops the run
+    after the first step that reaches it, saved and exported there; the next invocation (its own
+    budget) resumes from that step and finishes the schedule."""
+    target, draft = pair
+    run_dir = tmp_path / "run"
+    cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=4, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
+                        compute_dtype="float32", save_every=1000, export=True, lr_schedule="cosine",
+                        loss=L.LossConfig(num_anchors=16))
+
+    def trainer():
+        return T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
+
+    first = T.run(trainer(), T.SampleSource(samples, 0), time_budget=1e-9)   # spent by the first step
+    assert [m["step"] for m in first] == [1]
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_0000001"]
+    rest = T.run(trainer(), T.SampleSource(samples, 0), time_budget=1e6)
+    assert [m["step"] for m in rest] == [2, 3, 4]
+    assert rest[-1]["lr"] == pytest.approx(0.0, abs=1e-12)             # the cosine schedule ran to its end
+    assert (run_dir / "export" / "step_0000004" / "model.safetensors").is_file()
+
+
 # ---------------------------------------------------------------------------------------------
 # the program: flags
 
