@@ -14,7 +14,8 @@
 # sha256; the config is INIT's.
 # Usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [more train.distill flags]
 # Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
-# repository first), RUNS ("name:lr:seed ..."), INIT, TARGET (default: the payload's converted
+# repository first), RUNS ("name:lr:seed ..."), STEPS (the runs' length: no probe, and runs that
+# a time budget stopped resume; OVERHEAD their start-up seconds, default 90), INIT, TARGET (default: the payload's converted
 # target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for the
 # averaging and packing), PYTHON.
 set -euo pipefail
@@ -81,6 +82,12 @@ at_once() {   # phase (probe|main), total steps, more flags: every run of RUNS a
     return $rc
 }
 
+if [ -n "${STEPS:-}" ]; then
+    # a planned length given (e.g. a second call on the same held machine): no probe; main runs
+    # resume from their run directories' checkpoints
+    step_s=0 overhead=${OVERHEAD:-90} steps=$STEPS
+    left=$((deadline - $(date +%s) - RESERVE))
+else
 p0=$(date +%s)
 say "probe: $PROBE steps of $BATCH sequences, run ${RUNS%% *} alone; runs: $RUNS"
 if ! at_once probe 100000 --stop_after "$PROBE" --save_every 100000 --keep_exports 1; then
@@ -103,9 +110,12 @@ EOF
 left=$((deadline - $(date +%s) - RESERVE))
 # 30 s more for the main runs' 20 checkpoints and exports
 steps=$("$PY" -c "print(max(10, int(($left - $overhead - 30) / $step_s)))")
+fi
+train_s=$((left - ${overhead%.*}))
+[ "$train_s" -ge 10 ] || { say "no time left to train: ${left}s left, ${overhead}s start-up"; exit 1; }
 every=$(( steps / 20 > 0 ? steps / 20 : 1 ))
-say "probe: ${step_s}s/step with every run at once, ${overhead}s start-up and compilation; main runs: $steps steps, exports every $every, ${left}s left"
-at_once main "$steps" --save_every "$every" --keep_exports "$AVG" --time_budget "$((left - ${overhead%.*}))" "$@" \
+say "plan: ${step_s}s/step with every run at once (0: not probed), ${overhead}s start-up and compilation; main runs: $steps steps, exports every $every, ${left}s left"
+at_once main "$steps" --save_every "$every" --keep_exports "$AVG" --time_budget "$train_s" "$@" \
     || say "a main run failed (its log: $WORK/main-NAME.log)"
 
 summary=()
@@ -113,6 +123,7 @@ for spec in $RUNS; do
     IFS=: read -r name lr seed <<< "$spec"
     dir="$WORK/main-$name"
     ls -d "$dir"/export/step_* > /dev/null 2>&1 || { say "$name: no export"; continue; }
+    rm -rf "$dir-avg"
     $PY -m train.average --drafts "$dir/export/step_*" --last "$AVG" --out "$dir-avg" 2>&1 | tail -n 1 | tee -a "$log"
     mkdir -p "$out/$name"
     split -b 15M -d -a 2 "$dir-avg/model.safetensors" "$out/$name/model.safetensors.part-"
