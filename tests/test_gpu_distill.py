@@ -1,0 +1,87 @@
+"""scripts/gpu_distill.sh on the CPU with a tiny pair: probe, planned runs at once, the returned
+parts, and a second call (STEPS=N) that resumes a run to its planned end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax import params as params_lib
+from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
+from dspark_jax.checkpoint.safetensors_io import save_arrays
+from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
+from tests.test_train import TINY_LLAMA
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _inputs(root: Path) -> dict[str, str]:
+    target = tiny_llama(0)
+    draft = tiny_draft(target, seed=1)
+    tdir = root / "target"
+    tdir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_arrays(tdir / "model.safetensors",
+                {k: np.asarray(v.get_value()) for k, v in params_lib.flat_params(target).items()})
+    save_torch_draft(draft, dict(draft.cfg.raw), root / "init")
+    data = root / "regen.jsonl"
+    with open(data, "w") as f:
+        for s in answer_samples(target, max_new_tokens=28):
+            n = int(np.argmax(s.loss_mask))
+            f.write(json.dumps({"id": s.id, "source": "t", "prompt_ids": s.input_ids[:n].tolist(),
+                                "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
+                                "answer_text": ""}) + "\n")
+    return {"TARGET": str(tdir), "INIT": str(root / "init"), "DATA": str(data)}
+
+
+def _run(root: Path, out: Path, budget: int, **env) -> subprocess.CompletedProcess:
+    base = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+                WORK=str(root / "work"), DSPARK_GPU_PAYLOAD=str(root / "no-payload"), BATCH="4", MICRO="2",
+                MAX_LEN="48", ANCHORS="16", PROBE="4", AVG="2", RESERVE="5", RUNS="a:1e-3:1 b:3e-3:2")
+    base.update(env)
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_distill.sh"), str(out), str(budget)], cwd=REPO,
+                          env=base, capture_output=True, text=True, timeout=budget + 120)
+
+
+def _joined(out: Path, name: str) -> bytes:
+    parts = sorted((out / name).glob("model.safetensors.part-*"))
+    assert parts
+    return b"".join(p.read_bytes() for p in parts)
+
+
+def test_gpu_distill_plans_runs_returns_parts_and_resumes(tmp_path):
+    env = _inputs(tmp_path)
+    out = tmp_path / "out"
+    res = _run(tmp_path, out, 160, **env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    planned = summary["planned_steps"]
+    assert planned >= 10 and summary["probe_step_seconds"] > 0 and summary["global_batch"] == 4
+    assert [r["name"] for r in summary["runs"]] == ["a", "b"]
+    for r in summary["runs"]:
+        blob = _joined(out, r["name"])
+        assert hashlib.sha256(blob).hexdigest() == r["sha256"]
+        assert 1 <= r["last_step"]["step"] <= planned          # planned, or stopped by --time_budget
+        (tmp_path / r["name"]).mkdir()
+        (tmp_path / r["name"] / "model.safetensors").write_bytes(blob)
+        (tmp_path / r["name"] / "config.json").write_text((Path(env["INIT"]) / "config.json").read_text())
+        load_draft(tmp_path / r["name"])                        # a loadable draft
+    a, b = (_joined(out, n) for n in "ab")
+    assert a != b                                               # two runs (lr, seed), not one twice
+
+    # the second call: no probe, both runs resume to the planned step and decay their lr to 0
+    out2 = tmp_path / "out2"
+    res = _run(tmp_path, out2, 100, STEPS=str(planned), OVERHEAD="20", **env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary2 = json.loads((out2 / "summary.json").read_text())
+    assert summary2["probe_step_seconds"] == 0 and summary2["planned_steps"] == planned
+    for r in summary2["runs"]:
+        assert r["last_step"]["step"] == planned and r["last_step"]["lr"] == 0.0
+        assert hashlib.sha256(_joined(out2, r["name"])).hexdigest() == r["sha256"]
+    assert not list((tmp_path / "work").glob("probe-b"))        # the probe ran the first run alone
