@@ -2,22 +2,21 @@
 # Distil the demo draft on a lent GPU machine held for a fixed time (no network; its image has JAX,
 # Flax, Optax and Orbax): the target arrives as `python -m benchmarks.gpu_payload pack`'s parts (its
 # extras add the gguf and tensorboardX zips the image lacks), the answers as a tar of regen
-# snapshots. Several runs (RUNS) train at once on the one GPU, each a cosine run from INIT; their
-# length is planned from a short probe of the first run alone (same shapes, so the main runs reuse
-# its compiled steps from JAX's persistent cache) to end inside BUDGET seconds, with train.distill
-# --time_budget as the backstop. The runs share the GPU, so a step of every run at once is taken to
-# cost the probe's step times the number of runs (measured on an H200: 0.09 s alone, 0.17-0.19 s
-# two at once, 64 sequences of 512 tokens). Probing the runs at once measures less: their
-# compilations end tens of seconds apart, so their probe steps do not overlap. Each run's mean of its last AVG exports comes back
-# as model.safetensors cut into parts of at most 15 MiB (a device run returns files of 16 MiB at
-# most): `cat OUT/NAME/model.safetensors.part-* > model.safetensors` and check OUT/summary.json's
-# sha256; the config is INIT's.
+# snapshots. Several runs (RUNS) train at once on the one GPU, each a cosine run from INIT. Their
+# length is planned from a short probe of the first run alone to end inside BUDGET seconds, with
+# train.distill --time_budget as the backstop: the runs share the GPU, so a step of all of them is
+# taken to cost the probe's step times their number (H200: 0.09 s alone, 0.17-0.19 s two at once,
+# 64 sequences of 512 tokens). Probing all runs at once measures too little: their compilations end
+# tens of seconds apart, so their probe steps do not overlap. Each run's mean of its last AVG
+# exports comes back as model.safetensors cut into parts of at most 15 MiB (a device run returns
+# files of 16 MiB at most): `cat OUT/NAME/model.safetensors.part-* > model.safetensors`, check
+# OUT/summary.json's sha256; the config is INIT's.
 # Usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [more train.distill flags]
 # Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
-# repository first), RUNS ("name:lr:seed ..."), STEPS (the runs' length: no probe, and runs that
-# a time budget stopped resume; OVERHEAD their start-up seconds, default 90), INIT, TARGET (default: the payload's converted
-# target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for the
-# averaging and packing), PYTHON.
+# repository first), RUNS ("name:lr:seed ..."), STEPS (the runs' length: no probe, and runs a time
+# budget stopped resume; OVERHEAD their start-up seconds, default 90), INIT, TARGET (default: the
+# payload's converted target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE
+# (seconds kept for averaging and packing), WORK (run directories), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [train.distill flags]}
