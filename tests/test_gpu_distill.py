@@ -46,7 +46,7 @@ def _run(root: Path, out: Path, budget: int, **env) -> subprocess.CompletedProce
                 MAX_LEN="48", ANCHORS="16", PROBE="4", AVG="2", RESERVE="5", RUNS="a:1e-3:1 b:3e-3:2")
     base.update(env)
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_distill.sh"), str(out), str(budget)], cwd=REPO,
-                          env=base, capture_output=True, text=True, timeout=budget + 120)
+                          env=base, capture_output=True, text=True, timeout=budget + 120, check=False)
 
 
 def _joined(out: Path, name: str) -> bytes:
