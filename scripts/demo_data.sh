@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The answer snapshots the demo draft's stage 21 trains on, without training: the prompt pools and
+# Magpie requests rebuilt as scripts/demo_draft.sh builds them, the answers restored from the
+# committed archives (datasets/), the few the archives lack generated (bf16, 8 at a time; 18 on
+# 2026-12-04, about 2 minutes). Use it to feed scripts/gpu_distill.sh (README "Distilling on a
+# GPU"); it prints stage 21's --data list last. Resumable; outputs under $RUN (default runs/demo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+RUN=${RUN:-runs/demo}
+AIME=../shared/data/aime2026.jsonl
+OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
+ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
+mkdir -p "$RUN"
+
+answers() {   # prompts file, its regen cache, archive, limit, snapshot, more flags
+    python -m train.regen --prompts "$RUN/$1" --out "$RUN/$2" --model smollm2-135m --dtype bfloat16 \
+        --max_new_tokens 256 --batch_size 8 --temperature 0 --archive "$3" --limit "$4" --snapshot "$RUN/$5" "${@:6}"
+}
+pool() {   # Magpie cache, first N requests, out, more train.prompts flags
+    [ -s "$RUN/$3" ] || python -m train.prompts --sources magpie --magpie_cache "$RUN/$1" --magpie_first "$2" \
+        --out "$RUN/$3" "${@:4}"
+}
+
+[ -s "$RUN/prompts.jsonl" ] || python -m train.prompts --out "$RUN/prompts.jsonl"
+answers prompts.jsonl regen.jsonl datasets/answers-smollm2-135m 8009 answers-gsm-ifeval-8009.jsonl \
+    --first_sources gsm8k_train,ifeval
+python -m train.magpie --dtype bfloat16 --num_queries 12000 --out "$RUN/magpie.jsonl" \
+    --archive datasets/magpie-smollm2-135m.jsonl.gz
+pool magpie.jsonl 3000 prompts-magpie.jsonl
+tail -n 8 "$RUN/prompts-magpie.jsonl" > "$RUN/heldout-magpie-8.jsonl"
+answers prompts-magpie.jsonl regen-magpie.jsonl datasets/answers-smollm2-135m-magpie 2960 answers-magpie-2960.jsonl
+pool magpie.jsonl 6000 prompts-magpie-2.jsonl --exclude_pool "$RUN/prompts-magpie.jsonl" --aime_file "$AIME"
+answers prompts-magpie-2.jsonl regen-magpie-2.jsonl datasets/answers-smollm2-135m-magpie-2 2998 answers-magpie2-2998.jsonl
+pool magpie.jsonl 9000 prompts-magpie-3.jsonl --exclude_pool "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl" \
+    --aime_file "$AIME"
+answers prompts-magpie-3.jsonl regen-magpie-3.jsonl datasets/answers-smollm2-135m-magpie-3 2994 answers-magpie3-2994.jsonl
+pool magpie.jsonl 12000 prompts-magpie-4.jsonl \
+    --exclude_pool "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl,$RUN/prompts-magpie-3.jsonl" --aime_file "$AIME"
+answers prompts-magpie-4.jsonl regen-magpie-4.jsonl datasets/answers-smollm2-135m-magpie-4 1509 answers-magpie4-1509.jsonl
+python -m train.magpie --dtype bfloat16 --num_queries 3000 --openers "$OPENERS" --out "$RUN/magpie-open.jsonl" \
+    --archive datasets/magpie-open-smollm2-135m.jsonl.gz
+pool magpie-open.jsonl 1500 prompts-magpie-open.jsonl
+answers prompts-magpie-open.jsonl regen-magpie-open.jsonl datasets/answers-smollm2-135m-magpie-open 1500 answers-open-1500.jsonl
+pool magpie-open.jsonl 3000 prompts-magpie-open-2.jsonl --exclude_pool "$RUN/prompts-magpie-open.jsonl" --aime_file "$AIME"
+answers prompts-magpie-open-2.jsonl regen-magpie-open-2.jsonl datasets/answers-smollm2-135m-magpie-open-2 1498 \
+    answers-open2-1498.jsonl
+python -m train.magpie --dtype bfloat16 --num_queries 1500 --openers "$ROLE_OPENERS" --out "$RUN/magpie-role.jsonl" \
+    --archive datasets/magpie-role-smollm2-135m.jsonl.gz
+pool magpie-role.jsonl 1500 prompts-magpie-role.jsonl --aime_file "$AIME"
+answers prompts-magpie-role.jsonl regen-magpie-role.jsonl datasets/answers-smollm2-135m-magpie-role 1500 answers-role-1500.jsonl
+
+data="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
+data="$data,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-1509.jsonl"
+for _ in 1 2; do data="$data,$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl"; done
+for _ in 1 2 3; do data="$data,$RUN/answers-role-1500.jsonl"; done
+echo "stage 21's --data:"
+echo "$data"
