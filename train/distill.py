@@ -142,6 +142,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--draft_config or --init_from is required")
     if FLAGS.cpu_budget and settings.multi_process:
         raise app.UsageError("--cpu_budget is single-process only (one process keeps the CPU total)")
+    if FLAGS.time_budget and settings.multi_process:
+        raise app.UsageError("--time_budget is single-process only (each process's clock would stop it at "
+                             "a different step)")
     if FLAGS.eval_every and settings.multi_process:
         raise app.UsageError("--eval_every is single-process only (the draft is sharded over hosts)")
     if FLAGS.lr_schedule == "constant" and FLAGS.min_lr_frac:
@@ -293,7 +296,7 @@ _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "
               "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay", "compute_dtype",
               "seed", "save_every", "log_every", "keep_exports", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
               "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab",
-              "cpu_budget"}
+              "cpu_budget", "time_budget"}
 
 
 if __name__ == "__main__":
