@@ -10,34 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
-from dspark_jax.checkpoint.safetensors_io import save_arrays
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
-from tests.test_train import TINY_LLAMA
+from tests.test_train import _write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _inputs(root: Path) -> dict[str, str]:
     target = tiny_llama(0)
-    draft = tiny_draft(target, seed=1)
-    tdir = root / "target"
-    tdir.mkdir()
-    (tdir / "config.json").write_text(json.dumps(TINY_LLAMA))
-    save_arrays(tdir / "model.safetensors",
-                {k: np.asarray(v.get_value()) for k, v in params_lib.flat_params(target).items()})
-    save_torch_draft(draft, dict(draft.cfg.raw), root / "init")
-    data = root / "regen.jsonl"
-    with open(data, "w") as f:
-        for s in answer_samples(target, max_new_tokens=28):
-            n = int(np.argmax(s.loss_mask))
-            f.write(json.dumps({"id": s.id, "source": "t", "prompt_ids": s.input_ids[:n].tolist(),
-                                "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
-                                "answer_text": ""}) + "\n")
-    return {"TARGET": str(tdir), "INIT": str(root / "init"), "DATA": str(data)}
+    pair = (target, tiny_draft(target, seed=1))
+    tiny = _write_tiny_run_inputs(root, pair, answer_samples(target, max_new_tokens=28))
+    save_torch_draft(pair[1], dict(pair[1].cfg.raw), root / "init")
+    return {"TARGET": str(tiny["target"]), "INIT": str(root / "init"), "DATA": str(tiny["data"])}
 
 
 def _run(root: Path, out: Path, budget: int, **env) -> subprocess.CompletedProcess:

@@ -216,19 +216,20 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
     assert "eval/accept_at_1" in tb and "train/lr" in tb
 
 
+def _budget_trainer(pair, run_dir, **kw):
+    """A factory of fresh trainers on one run dir (each call resumes from its checkpoints)."""
+    target, draft = pair
+    cfg = T.TrainConfig(run_dir=str(run_dir), global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
+                        compute_dtype="float32", save_every=1000, loss=L.LossConfig(num_anchors=16), **kw)
+    return lambda: T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
+
+
 def test_cpu_budget_stops_the_run_and_its_total_survives_resumption(pair, samples, tmp_path):
     """Equal-CPU-time ablations: each step records its process CPU seconds and the running total;
     a budget stops the run at the first step that reaches it, with a checkpoint there; a resumed
     run continues the total instead of starting it again."""
-    target, draft = pair
     run_dir = tmp_path / "run"
-    cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=6, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
-                        compute_dtype="float32", save_every=1000, export=False, lr_schedule="constant",
-                        loss=L.LossConfig(num_anchors=16))
-
-    def trainer():
-        return T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-
+    trainer = _budget_trainer(pair, run_dir, total_steps=6, export=False, lr_schedule="constant")
     first = T.run(trainer(), T.SampleSource(samples, 0), cpu_budget=1e-9)   # spent by the first step
     assert [m["step"] for m in first] == [1]
     assert first[0]["step_cpu_seconds"] > 0 and first[0]["cpu_seconds"] == first[0]["step_cpu_seconds"]
@@ -248,15 +249,8 @@ def test_time_budget_stops_with_a_checkpoint_and_export_and_a_rerun_continues(pa
     """A machine held for a fixed time: the wall-clock budget of one invocation stops the run
     after the first step that reaches it, saved and exported there; the next invocation (its own
     budget) resumes from that step and finishes the schedule."""
-    target, draft = pair
     run_dir = tmp_path / "run"
-    cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=4, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
-                        compute_dtype="float32", save_every=1000, export=True, lr_schedule="cosine",
-                        loss=L.LossConfig(num_anchors=16))
-
-    def trainer():
-        return T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-
+    trainer = _budget_trainer(pair, run_dir, total_steps=4, export=True, lr_schedule="cosine")
     first = T.run(trainer(), T.SampleSource(samples, 0), time_budget=1e-9)   # spent by the first step
     assert [m["step"] for m in first] == [1]
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_0000001"]
