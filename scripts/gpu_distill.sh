@@ -24,7 +24,6 @@ budget=${2:?usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [train.distill flags]
 shift 2
 t0=$(date +%s)
 deadline=$((t0 + budget))
-PY=${PYTHON:-python3}
 RUNS=${RUNS:-"a:1e-4:30"}
 INIT=${INIT:-dspark_jax/drafts/smollm2-135m-dspark}
 BATCH=${BATCH:-64}
@@ -35,17 +34,10 @@ AVG=${AVG:-5}
 PROBE=${PROBE:-12}
 RESERVE=${RESERVE:-45}
 WORK=${WORK:-runs/gpu}
-payload=${DSPARK_GPU_PAYLOAD:-.gpu_payload}
 mkdir -p "$out" "$WORK"
 log="$out/gpu_distill.log"
 say() { echo "[gpu_distill $(($(date +%s) - t0))s] $*" | tee -a "$log"; }
-export PYTHONUNBUFFERED=1
-for z in "$payload"/extras/*.zip; do [ -f "$z" ] && export PYTHONPATH="$PWD/$z${PYTHONPATH:+:$PYTHONPATH}"; done
-if [ -z "${TARGET:-}" ]; then
-    $PY -m benchmarks.gpu_payload assemble --dir "$payload" 2>&1 | tail -n 2 | tee -a "$log"
-    TARGET="$payload/smollm2-135m"
-fi
-[ -n "${DATA_TAR:-}" ] && tar -xf "$DATA_TAR" && say "extracted $DATA_TAR"
+. scripts/gpu_env.sh
 : "${DATA:?DATA: the comma-separated regen snapshots to train on}"
 # the probe's compiled steps serve the main runs (same shapes)
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}

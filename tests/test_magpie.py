@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -63,7 +64,24 @@ class _FakeBatcher:
     def has_work(self):
         return bool(self.queue)
 
+    # one request per step, none left running in between: everything queued is waiting
+    num_running = 0
+
+    @property
+    def waiting(self):
+        return list(self.queue)
+
+    @property
+    def num_waiting(self):
+        return len(self.queue)
+
+    def abort(self, req):
+        self.queue.remove(req)
+        req.finish_reason = "abort"
+
     def step(self):
+        if not self.queue:
+            return []
         req = self.queue.pop(0)
         if self.never_stops or req.index % 3 == 2:
             req.tokens, req.finish_reason = [42] * req.max_new_tokens, "length"
@@ -142,6 +160,23 @@ def test_steered_requests_open_with_the_openers_in_turn(tmp_path, tokenizer, fak
         magpie.sample_queries(TARGET, tokenizer, plain, num_queries=4, settings=s)
     with pytest.raises(ValueError, match="empty opener"):
         magpie.openers(_settings(tokenizer, openers="Write,,Imagine"))
+
+
+def test_time_budget_stops_sampling_and_a_rerun_resumes(tmp_path, tokenizer, fake_decoding, monkeypatch):
+    clock = itertools.count()                           # every reading of the clock is one second later
+    monkeypatch.setattr(magpie, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    cache = tmp_path / "q.jsonl"
+    s = _settings(tokenizer)
+    assert magpie.sample_queries(TARGET, tokenizer, cache, num_queries=6, settings=s, deadline=0.0)["sampled"] == 0
+    stopped = magpie.sample_queries(TARGET, tokenizer, cache, num_queries=6, settings=s, deadline=next(clock) + 4)
+    rows = magpie.read_cache(cache)
+    assert 0 < stopped["sampled"] == len(rows) and stopped["accepted"] < 6
+    resumed = magpie.sample_queries(TARGET, tokenizer, cache, num_queries=6, settings=s)
+    assert resumed["accepted_before"] == stopped["accepted"] and resumed["accepted"] == 6 - stopped["accepted"]
+    rows = magpie.read_cache(cache)
+    assert [r["id"] for r in rows] == [f"magpie/3-{i:06d}" for i in range(len(rows))]
+    texts = [q for _, q in magpie.queries(cache)]
+    assert len(set(texts)) == len(texts) == 6
 
 
 def test_sample_queries_refuses_other_settings(tmp_path, tokenizer, fake_decoding):

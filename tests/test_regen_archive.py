@@ -99,3 +99,18 @@ def test_regen_batch_benchmark_reports_rates_with_and_without_compilation(smollm
         assert 0 < r["full_tokens"] < r["tokens"] and 0 < r["full_s"] < r["wall_s"]
         assert r["full_compile_s"] <= r["compile_s"] + 1e-9 and r["tok_per_s_full_compiled"] > 0
     assert "| batch | prompts | tokens | wall s | compiling s |" in res.stdout
+
+
+def test_archived_head_is_the_pool_head_the_parts_hold(tmp_path):
+    # answers finish out of pool order: p3 before p2, so the first part (3 rows) holds p0, p1, p3
+    cache, archive = tmp_path / "regen.jsonl", tmp_path / "archive"
+    rows = _rows(0, 6)
+    _write(cache, [rows[0], rows[1], rows[3], rows[2], rows[4]])
+    assert regen.archive_cache(cache, archive, part_size=3) == 3
+    pool = [{"id": f"p{i}"} for i in range(6)]
+    assert regen.archived_head(pool, archive) == ["p0", "p1"]
+    assert regen.archived_head(pool[2:], archive) == []
+    _write(cache, [rows[5]])
+    regen.archive_cache(cache, archive, part_size=3)
+    assert regen.archived_head(pool, archive) == [f"p{i}" for i in range(6)]
+    assert regen.archived_head(pool, tmp_path / "none") == []

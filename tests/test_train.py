@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -516,6 +518,26 @@ def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):
     with pytest.raises(ValueError, match="1 of the 2 prompts have no answer yet .first: 'r9'"):
         regen.write_snapshot(out, ["r0", "r9"], tmp_path / "bad.jsonl")
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_regen_time_budget_answers_the_first_prompts_and_a_rerun_finishes(pair, tmp_path, monkeypatch):
+    target, _ = pair
+    tok = _CharTokenizer()
+    recs = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": "q" * (3 + i)}]} for i in range(6)]
+    st = regen.RegenSettings(target="tiny", max_new_tokens=16, temperature=0.0, seed=0, chat_template_sha256="x")
+    whole = tmp_path / "whole.jsonl"
+    regen.regenerate(target, tok, recs, whole, settings=st, batch_size=2)
+    clock = itertools.count()                   # every reading of the clock is one second later
+    monkeypatch.setattr(regen, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    out = tmp_path / "budget.jsonl"
+    counts = regen.regenerate(target, tok, recs, out, settings=st, batch_size=2, deadline=3.0)
+    answered = sorted(r["id"] for r in regen.read_cache(out))
+    assert 0 < len(answered) < 6 and counts["unanswered"] == 6 - len(answered)
+    assert answered == [f"r{i}" for i in range(len(answered))]        # the first prompts, whole answers
+    monkeypatch.undo()
+    assert regen.regenerate(target, tok, recs, out, settings=st, batch_size=2)["written"] == 6 - len(answered)
+    by_id = {r["id"]: r["answer_ids"] for r in regen.read_cache(whole)}
+    assert {r["id"]: r["answer_ids"] for r in regen.read_cache(out)} == by_id
 
 
 def test_torchspec_checkpoint_maps_to_a_train_state(pair, tmp_path):

@@ -40,6 +40,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "Request length limit (longer ones a
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_list("openers", [], "Words a request starts with, in turn (steered sampling, e.g. "
                   "'Write,Pretend,Imagine'); none: the target opens the turn itself. Use its own --out.")
+flags.DEFINE_float("time_budget", None, "Seconds from the program's start after which no further sample starts "
+                   "(the running ones finish and are kept; a rerun resumes).", lower_bound=0)
 flags.DEFINE_string("archive", None, "A gzip copy of the cache: restored from first, rewritten as the cache grows.")
 flags.mark_flag_as_required("out")
 
@@ -53,6 +55,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--temperature must be > 0: greedy decoding writes one request over and over")
     logging.set_verbosity(logging.WARNING)
     t0 = time.time()
+    deadline = None if FLAGS.time_budget is None else t0 + FLAGS.time_budget
 
     def log(msg: str) -> None:
         print(f"[magpie {time.time() - t0:8.1f}s] {msg}", flush=True)
@@ -72,7 +75,8 @@ def main(argv: list[str]) -> None:
     target = load_target(path, dtype=jnp.dtype(FLAGS.dtype))
     on_write = (lambda: magpie.write_archive(FLAGS.out, FLAGS.archive)) if FLAGS.archive else None
     counts = magpie.sample_queries(target, tokenizer, FLAGS.out, num_queries=FLAGS.num_queries,
-                                   settings=settings, batch_size=FLAGS.batch_size, log=log, on_write=on_write)
+                                   settings=settings, batch_size=FLAGS.batch_size, log=log, on_write=on_write,
+                                   deadline=deadline)
     rows = magpie.read_cache(FLAGS.out)
     kept = sum(bool(r.get("query")) for r in rows)
     log(f"done: {counts}; {kept} accepted of {len(rows)} sampled in {FLAGS.out}"

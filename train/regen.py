@@ -51,12 +51,19 @@ flags.DEFINE_string("snapshot", None, "After the run, also write the answers of 
                     "pool order, to this file: a fixed training set while --out keeps growing.")
 flags.DEFINE_string("archive", None, "A directory of gzipped answer parts (committable): restored into --out "
                     "before the run, and every finished part of 500 answers copied there as the run goes.")
+flags.DEFINE_bool("snapshot_archived", False, "--snapshot holds the longest head of the pool (within --limit) "
+                  "whose answers --archive holds, not all of the first --limit: a time-budgeted run's "
+                  "training set, rebuilt later from the committed parts alone.")
+flags.DEFINE_float("time_budget", None, "Seconds from the program's start after which no further prompt starts; "
+                   "the running ones finish, so the answered prompts stay the pool's first ones (a rerun "
+                   "resumes).", lower_bound=0)
 flags.mark_flags_as_required(["prompts", "out"])
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    deadline = None if FLAGS.time_budget is None else time.time() + FLAGS.time_budget
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     dist = distributed.initialize_program()
     num_shards, shard_index, out = FLAGS.num_shards, FLAGS.shard_index, FLAGS.out
@@ -67,6 +74,8 @@ def main(argv: list[str]) -> None:
         # answering is embarrassingly parallel: each process decodes its shard on its own devices
         num_shards, shard_index = dist.num_processes, dist.process_id
         out = str(shard_path(out, shard_index, num_shards))
+    if FLAGS.snapshot_archived and not (FLAGS.snapshot and FLAGS.archive):
+        raise app.UsageError("--snapshot_archived needs --snapshot and --archive")
     if FLAGS.snapshot and num_shards > 1:
         raise app.UsageError("--snapshot needs the whole pool in one cache: run it without shards")
     if not 0 <= shard_index < num_shards:
@@ -94,14 +103,20 @@ def main(argv: list[str]) -> None:
             log(f"restored {n} answers from {FLAGS.archive}")
     on_write = (lambda: regen.archive_cache(out, FLAGS.archive)) if FLAGS.archive else None
     counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
-                              batch_size=FLAGS.batch_size, log=log, on_write=on_write)
+                              batch_size=FLAGS.batch_size, log=log, on_write=on_write, deadline=deadline)
     cached = regen.read_cache(out)
     if FLAGS.archive and num_shards == 1 and {r["id"] for r in cached} >= {r["id"] for r in pool}:
         n = regen.archive_cache(out, FLAGS.archive, complete=True)   # the whole pool: its tail too
         log(f"the whole pool is answered: {n} answers archived in {FLAGS.archive}")
     kept = sum(r["kept"] for r in cached)
     log(f"done: {counts}; {kept} kept samples in {out}")
-    if FLAGS.snapshot:
+    if FLAGS.snapshot_archived:
+        n = regen.write_snapshot(out, regen.archived_head(records, FLAGS.archive), FLAGS.snapshot)
+        log(f"snapshot: the answers of the first {n} prompts (all archived) in {FLAGS.snapshot}")
+    elif FLAGS.snapshot:
+        if counts["unanswered"]:
+            raise app.UsageError(f"--snapshot: the time budget left {counts['unanswered']} of the first "
+                                 f"{len(records)} prompts unanswered; rerun to finish them")
         n = regen.write_snapshot(out, [r["id"] for r in records], FLAGS.snapshot)
         log(f"snapshot: the answers of {n} prompts in {FLAGS.snapshot}")
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # the same cache conventions as the answer cache: appended JSONL, settings pinned beside it
-from dspark_jax.train.regen import check_meta, meta_path, read_cache, repair_tail
+from dspark_jax.train.regen import check_meta, meta_path, read_cache, repair_tail, stop_admitting
 
 FORMAT = "dspark_jax.magpie"
 VERSION = 1
@@ -109,9 +109,11 @@ def queries(cache: str | os.PathLike) -> list[tuple[str, str]]:
 
 def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: int,
                    settings: MagpieSettings, batch_size: int = 8, max_samples: int | None = None,
-                   log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None) -> dict:
+                   log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None,
+                   deadline: float | None = None) -> dict:
     """Sample requests into `cache` until it holds `num_queries` accepted ones. Returns counts.
     `on_write()` runs after each progress line (every ~30 s) and at the end (e.g. `write_archive`).
+    At `deadline` (a `time.time()`) no further sample starts; the running ones finish and are kept.
     Gives up (RuntimeError) after `max_samples` samples in this call (default 10 per missing
     request): a model that is not instruction-tuned rarely closes a user turn."""
     from dspark_jax.batcher import Batcher, Request
@@ -140,7 +142,7 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     max_len = max(map(len, prompts)) + settings.max_new_tokens + 1
     t0 = last_log = time.time()
     with open(cache, "a", encoding="utf-8") as f:
-        while accepted < num_queries:
+        while accepted < num_queries and not (deadline is not None and time.time() >= deadline):
             if counts["sampled"] >= budget:
                 raise RuntimeError(
                     f"{cache}: {counts['accepted']} of {counts['sampled']} samples were usable requests "
@@ -156,6 +158,10 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
                 batcher.add(Request(list(prompts[(n + i) % len(prompts)]), settings.max_new_tokens,
                                     settings.temperature, settings.top_p, eos, index=i))
             while batcher.has_work() and accepted < num_queries:
+                if deadline is not None and batcher.num_waiting and time.time() >= deadline:
+                    stop_admitting(batcher)
+                    if log:
+                        log(f"time budget reached: finishing the {batcher.num_running} running samples")
                 done = [r for r in batcher.step() if r.finish_reason is not None]
                 lines = []
                 for req in done:

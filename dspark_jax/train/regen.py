@@ -214,6 +214,25 @@ def restore_cache(archive_dir: str | os.PathLike, cache: str | os.PathLike) -> i
     return len(archived)
 
 
+def archived_head(records: Sequence[Mapping[str, Any]], archive_dir: str | os.PathLike) -> list[str]:
+    """The ids of the longest head of `records` whose answers are all in the archive. Parts hold
+    answers in the order they finished, about but not exactly the pool's, so after a stopped run
+    this head is a little shorter than the archive; a snapshot of it is rebuilt from the
+    committed parts alone."""
+    import gzip
+
+    have: set[str] = set()
+    for part in sorted(Path(archive_dir).glob("part-*.jsonl.gz")):
+        with gzip.open(part, "rt", encoding="utf-8") as f:
+            have |= {json.loads(line)["id"] for line in f if line.strip()}
+    head = []
+    for r in records:
+        if r["id"] not in have:
+            break
+        head.append(r["id"])
+    return head
+
+
 def check_meta(path: Path, settings) -> None:
     """Pin a cache's settings (a dataclass) in its `.meta.json`, or refuse ones that differ."""
     mp = meta_path(path)
@@ -233,15 +252,18 @@ def check_meta(path: Path, settings) -> None:
 
 def regenerate(target, tokenizer, records: Sequence[Mapping[str, Any]], out: str | os.PathLike, *,
                settings: RegenSettings, batch_size: int = 8,
-               log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None) -> dict:
+               log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None,
+               deadline: float | None = None) -> dict:
     """Answer every record not yet in the cache `out` and append them. Returns counts.
-    `on_write()` runs after each progress line and at the end (e.g. `archive_cache`). The target's
+    `on_write()` runs after each progress line and at the end (e.g. `archive_cache`). At `deadline`
+    (a `time.time()`), no further prompt starts and the running ones finish: the answered prompts
+    stay the records' first ones, in order (counts["unanswered"] the rest). The target's
     compute dtype is recorded on every answer: greedy answers of a bf16 and an f32 target part ways
     now and then, and one cache may hold both (a resume with the other --dtype)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
-        counts = _regenerate(target, tokenizer, records, out, settings, batch_size, log, on_write)
+        counts = _regenerate(target, tokenizer, records, out, settings, batch_size, log, on_write, deadline)
         if on_write is not None:
             on_write()
         return counts
@@ -262,7 +284,7 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 
 def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log,
-                on_write) -> dict:
+                on_write, deadline: float | None) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
     from dspark_jax.batcher import Batcher, Request, pow2
@@ -273,7 +295,8 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     repair_tail(out)
     done = {r["id"] for r in read_cache(out)}
     todo = [r for r in records if r["id"] not in done]
-    counts = {"cached_before": len(done), "todo": len(todo), "written": 0, "dropped": 0, "tokens": 0}
+    counts = {"cached_before": len(done), "todo": len(todo), "written": 0, "dropped": 0, "tokens": 0,
+              "unanswered": 0}
     if log:
         log(f"{len(done)} already cached, {len(todo)} to generate ({batch_size} at a time)")
     if not todo:
@@ -293,6 +316,11 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     t0 = last_log = time.time()
     with open(out, "a", encoding="utf-8") as f:
         while batcher.has_work():
+            if deadline is not None and batcher.num_waiting and time.time() >= deadline:
+                counts["unanswered"] = stop_admitting(batcher)
+                if log:
+                    log(f"time budget reached: {counts['unanswered']} prompts left for a resume, "
+                        f"finishing the {batcher.num_running} running")
             finished = [r for r in batcher.step() if r.finish_reason is not None]
             lines = []
             for req in finished:
@@ -323,6 +351,14 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                 if on_write is not None:
                     on_write()
     return counts
+
+
+def stop_admitting(batcher) -> int:
+    """Drop the batcher's waiting requests (the running ones go on); returns how many."""
+    waiting = list(batcher.waiting)
+    for r in waiting:
+        batcher.abort(r)
+    return len(waiting)
 
 
 def samples_from_cache(rows: Iterable[Mapping[str, Any]], *, max_len: int | None = None,
