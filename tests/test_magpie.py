@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import json
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -51,7 +52,7 @@ class _FakeBatcher:
     """Stands in for the decoding loop: request i of a batcher seeded s 'writes' a question made
     of two hashes of (s, i); every third one runs to the token limit. Records the seeds it was built with."""
 
-    seeds: list[int] = []
+    seeds: ClassVar[list[int]] = []
     never_stops = False
 
     def __init__(self, engine, max_num_seqs, max_len, *, seed=0):
@@ -106,8 +107,8 @@ def fake_decoding(monkeypatch, tokenizer):
 
 
 def _settings(tokenizer, **kw):
-    base = dict(target="fake", temperature=1.0, top_p=0.99, max_new_tokens=8, seed=3,
-                prefix_sha256=magpie.prefix_sha256(tokenizer))
+    base = {"target": "fake", "temperature": 1.0, "top_p": 0.99, "max_new_tokens": 8, "seed": 3,
+            "prefix_sha256": magpie.prefix_sha256(tokenizer)}
     return magpie.MagpieSettings(**{**base, **kw})
 
 

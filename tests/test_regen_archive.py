@@ -12,8 +12,7 @@ from dspark_jax.train import regen
 
 def _write(cache, rows):
     with open(cache, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def _rows(lo, hi):
@@ -88,7 +87,7 @@ def test_regen_batch_benchmark_reports_rates_with_and_without_compilation(smollm
     out = tmp_path / "rb.json"
     res = subprocess.run([sys.executable, "-m", "benchmarks.regen_batch", f"--prompts={pool}", f"--model={smollm2_dir}",
                           "--batch_sizes=1,2", "--rounds=1", "--max_new_tokens=6", f"--output_json={out}"],
-                         cwd=repo, capture_output=True, text=True, timeout=600)
+                         cwd=repo, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]

@@ -35,9 +35,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # the same cache conventions as the answer cache: appended JSONL, settings pinned beside it
 from dspark_jax.train.regen import check_meta, meta_path, read_cache, repair_tail, stop_admitting

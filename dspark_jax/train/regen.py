@@ -32,9 +32,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -134,8 +135,7 @@ def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for i in prompt_ids:
-            f.write(json.dumps(rows[i]) + "\n")
+        f.writelines(json.dumps(rows[i]) + "\n" for i in prompt_ids)
     if meta_path(cache).exists():
         meta_tmp = meta_path(dst).with_name(meta_path(dst).name + ".tmp")
         meta_tmp.write_text(meta_path(cache).read_text())
@@ -208,8 +208,8 @@ def restore_cache(archive_dir: str | os.PathLike, cache: str | os.PathLike) -> i
         meta_path(cache).write_text(meta.read_text())
     tmp = cache.with_name(cache.name + ".restore.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in archived + [r for r in have if r["id"] not in ids]:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        rows = archived + [r for r in have if r["id"] not in ids]
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     os.replace(tmp, cache)
     return len(archived)
 
