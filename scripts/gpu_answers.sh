@@ -6,15 +6,23 @@
 # tracked) is answered into $WORK/regen-NAME.jsonl, restored first from its archive (committed
 # parts of 500), under `train.regen --time_budget`: the time left is shared equally by the pools
 # not yet answered, and a stop leaves each pool's first prompts answered. Then, per pool:
-#   - its archive's whole parts (all of them once the pool is answered) go into OUT/answers.tar
-#     (untar it in the repository and commit the parts: the next session resumes from them);
+#   - its archive's whole parts (all of them once the pool is answered) go into the tar (untar
+#     it in the repository and commit the parts: the next session resumes from them);
 #   - $WORK/answers-NAME.jsonl, the snapshot of the pool's longest head that the archive holds
 #     (`train.regen --snapshot_archived`: rebuilt later from the committed parts alone), stays on the
 #     machine for gpu_distill.sh's DATA in the same command (`&&`; the machine keeps ignored files
 #     between calls while it is held);
-#   - OUT/answers.jsonl: a line per pool (pool size, answered, archived, snapshot size, seconds).
+#   - a line in $WORK/answers.jsonl (pool size, answered, archived, snapshot size, seconds).
+# Before them, SAMPLE="name:prompts.jsonl:archive_dir" first writes that pool: new chat requests
+# (train.magpie into MAGPIE_CACHE, restored from and archived to MAGPIE_ARCHIVE, MAGPIE_OPENERS,
+# BATCH at once) for SAMPLE_S seconds (at most SAMPLE_MAX more, default 20,000), then `train.prompts --sources magpie` over the cache's
+# accepted requests less MAGPIE_EXCLUDE (its earlier pools, comma-separated) and their near
+# duplicates, decontaminated against the benchmarks (DSPARK_DATA_DIR or the data cache; AIME: the
+# file AIME names, if any); the pool joins POOLS, the Magpie archive the tar.
+# Everything returned is in one file, OUT/answers.tar (a device call returns 8 files at most):
+# the archives, $WORK/answers.jsonl and $WORK/gpu_answers.log.
 # Usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S
-# Environment: POOLS (required), BATCH, MAX_NEW_TOKENS, RESERVE (seconds kept for the snapshots
+# Environment: POOLS and/or SAMPLE, BATCH, MAX_NEW_TOKENS, RESERVE (seconds kept for the snapshots
 # and the tar, default 30), DATA_TAR, TARGET, WORK (default runs/gpu-answers), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,14 +30,17 @@ out=${1:?usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S}
 budget=${2:?usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S}
 t0=$(date +%s)
 deadline=$((t0 + budget))
-: "${POOLS:?POOLS: the pools to answer, \"name:prompts.jsonl:archive_dir ...\"}"
+POOLS=${POOLS:-}
+SAMPLE=${SAMPLE:-}
+[ -n "$POOLS$SAMPLE" ] || { echo "POOLS or SAMPLE: the pools to answer, \"name:prompts.jsonl:archive_dir ...\""; exit 1; }
 BATCH=${BATCH:-256}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 RESERVE=${RESERVE:-30}
 WORK=${WORK:-runs/gpu-answers}
 mkdir -p "$out" "$WORK"
-rm -f "$WORK/answers.jsonl.tmp"
-log="$out/gpu_answers.log"
+rm -f "$WORK/answers.jsonl"
+log="$WORK/gpu_answers.log"
+: > "$log"
 say() { echo "[gpu_answers $(($(date +%s) - t0))s] $*" | tee -a "$log"; }
 . scripts/gpu_env.sh
 
@@ -38,11 +49,32 @@ regen() {   # name prompts archive, more train.regen flags
         --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH" --temperature 0 --archive "$3" "${@:4}"
 }
 
-n_left=$(wc -w <<< "$POOLS")
 archives=()
+if [ -n "$SAMPLE" ]; then
+    IFS=: read -r name prompts archive <<< "$SAMPLE"
+    : "${MAGPIE_CACHE:?}" "${MAGPIE_ARCHIVE:?}" "${SAMPLE_S:?SAMPLE_S: seconds of request sampling}"
+    accepted() { "$PY" -c "import sys; from dspark_jax.data import magpie; print(len(magpie.queries(sys.argv[1])))" "$1"; }
+    if [ -f "$MAGPIE_ARCHIVE" ]; then
+        $PY -c "import sys; from dspark_jax.data import magpie; magpie.restore_archive(*sys.argv[1:])" \
+            "$MAGPIE_ARCHIVE" "$MAGPIE_CACHE"
+    fi
+    before=$( [ -s "$MAGPIE_CACHE" ] && accepted "$MAGPIE_CACHE" || echo 0)
+    say "$name: sampling requests for $SAMPLE_S s into $MAGPIE_CACHE ($before accepted so far)"
+    $PY -m train.magpie --model "$TARGET" --dtype bfloat16 --batch_size "$BATCH" --openers "${MAGPIE_OPENERS:-}" \
+        --num_queries $((before + ${SAMPLE_MAX:-20000})) --time_budget "$SAMPLE_S" --out "$MAGPIE_CACHE" \
+        --archive "$MAGPIE_ARCHIVE" 2>&1 | tail -n 2 | tee -a "$log"
+    first=$(accepted "$MAGPIE_CACHE")
+    $PY -m train.prompts --sources magpie --magpie_cache "$MAGPIE_CACHE" --magpie_first "$first" \
+        ${MAGPIE_EXCLUDE:+--exclude_pool "$MAGPIE_EXCLUDE"} ${AIME:+--aime_file "$AIME"} --out "$prompts" \
+        2>&1 | grep -E "removed|wrote|: [0-9]+ " | tee -a "$log"
+    say "$name: $((first - before)) new requests; the pool is train.prompts --magpie_first $first over them"
+    archives+=("$MAGPIE_ARCHIVE")
+    POOLS="$SAMPLE${POOLS:+ $POOLS}"
+fi
+n_left=$(wc -w <<< "$POOLS")
 for spec in $POOLS; do
     IFS=: read -r name prompts archive <<< "$spec"
-    [ -s "$prompts" ] || { say "$name: no prompt pool at $prompts"; exit 1; }
+    if [ ! -s "$prompts" ]; then say "$name: no prompts in $prompts, skipped"; n_left=$((n_left - 1)); continue; fi
     share=$(( (deadline - $(date +%s) - RESERVE) / n_left ))
     n_left=$((n_left - 1))
     if [ "$share" -lt 20 ]; then say "$name: no time left (${share}s)"; continue; fi
@@ -58,12 +90,8 @@ for spec in $POOLS; do
     if [ "$archived" -gt 0 ]; then archives+=("$archive"); fi
     say "$name: $answered of $total answered in $((s1 - s0)) s, $archived archived, snapshot of the first $head"
     printf '{"name": "%s", "pool": %d, "answered": %d, "archived": %d, "snapshot": %d, "seconds": %d}\n' \
-        "$name" "$total" "$answered" "$archived" "$head" "$((s1 - s0))" >> "$WORK/answers.jsonl.tmp"
+        "$name" "$total" "$answered" "$archived" "$head" "$((s1 - s0))" >> "$WORK/answers.jsonl"
 done
-if [ -f "$WORK/answers.jsonl.tmp" ]; then mv "$WORK/answers.jsonl.tmp" "$out/answers.jsonl"; fi
-if [ "${#archives[@]}" -gt 0 ]; then
-    tar -cf "$out/answers.tar" "${archives[@]}"
-    say "done: $out/answers.tar ($(du -h "$out/answers.tar" | cut -f1)), $out/answers.jsonl"
-else
-    say "done: nothing archived"
-fi
+touch "$WORK/answers.jsonl"
+say "done: $out/answers.tar"
+tar -cf "$out/answers.tar" "${archives[@]}" "$WORK/answers.jsonl" "$log"

@@ -23,10 +23,14 @@ def _pool(path: Path, name: str, n: int) -> list[dict]:
     return recs
 
 
-def _run(work: Path, out: Path, pools: str, target: Path) -> subprocess.CompletedProcess:
+def _summary(work: Path) -> list[dict]:
+    return [json.loads(x) for x in (work / "answers.jsonl").read_text().splitlines()]
+
+
+def _run(work: Path, out: Path, pools: str, target: Path, **env) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", TARGET=str(target),
                WORK=str(work), DSPARK_GPU_PAYLOAD=str(work / "no-payload"), BATCH="4",
-               MAX_NEW_TOKENS="16", RESERVE="5", POOLS=pools)
+               MAX_NEW_TOKENS="16", RESERVE="5", POOLS=pools, **env)
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_answers.sh"), str(out), "500"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=700, check=False)
 
@@ -37,15 +41,17 @@ def test_gpu_answers_answers_the_pools_and_returns_their_archives(smollm2_dir, t
     out = tmp_path / "out"
     res = _run(tmp_path / "work", out, spec, smollm2_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
+    lines = _summary(tmp_path / "work")
     assert [x["name"] for x in lines] == ["warm", "cool"]
     for x, (name, recs) in zip(lines, pools.items()):
         assert x["pool"] == x["answered"] == x["archived"] == x["snapshot"] == len(recs)
         snap = regen.read_cache(tmp_path / "work" / f"answers-{name}.jsonl")
         assert [r["id"] for r in snap] == [r["id"] for r in recs]        # the pool's order
         assert all(r["dtype"] == "bfloat16" and 1 <= len(r["answer_ids"]) <= 16 for r in snap)
+    assert [p.name for p in out.iterdir()] == ["answers.tar"]          # one file comes back
     with tarfile.open(out / "answers.tar") as tar:
         names = tar.getnames()
+    assert str(tmp_path / "work" / "answers.jsonl").lstrip("/") in names
     for name in pools:
         arch = str(tmp_path / f"archive-{name}").lstrip("/")
         assert f"{arch}/part-00000.jsonl.gz" in names and f"{arch}/meta.json" in names
@@ -53,11 +59,46 @@ def test_gpu_answers_answers_the_pools_and_returns_their_archives(smollm2_dir, t
     # a second call on a fresh machine: the archives restore every answer, nothing is generated
     res = _run(tmp_path / "work2", tmp_path / "out2", spec, smollm2_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    log = (tmp_path / "out2" / "gpu_answers.log").read_text()
+    log = (tmp_path / "work2" / "gpu_answers.log").read_text()
     for n in (6, 5):
         assert f"{n} already cached, 0 to generate" in log
-    again = [json.loads(x) for x in (tmp_path / "out2" / "answers.jsonl").read_text().splitlines()]
+    again = _summary(tmp_path / "work2")
     assert [x["snapshot"] for x in again] == [6, 5]
     for name in pools:
         assert (tmp_path / "work2" / f"answers-{name}.jsonl").read_bytes() == \
             (tmp_path / "work" / f"answers-{name}.jsonl").read_bytes()
+
+
+def test_gpu_answers_samples_requests_into_a_new_pool_then_answers_it(smollm2_dir, tmp_path):
+    """SAMPLE: Magpie requests for a few seconds (steered), the pool of the new ones less an
+    earlier pool, decontaminated, answered, the grown Magpie archive returned in the tar."""
+    from dspark_jax.data import magpie
+
+    cache, archive = tmp_path / "magpie.jsonl", tmp_path / "magpie.jsonl.gz"
+    shared = REPO.parent / "shared" / "data"
+    if not shared.is_dir():
+        shared = Path("/work/shared/data")
+    env = {"MAGPIE_CACHE": str(cache), "MAGPIE_ARCHIVE": str(archive), "MAGPIE_OPENERS": "Write a poem,Pretend you are",
+           "SAMPLE_S": "60", "SAMPLE_MAX": "6", "DSPARK_DATA_DIR": str(shared),
+           "DSPARK_DATA_CACHE": str(tmp_path / "data-cache"), "AIME": str(shared / "aime2026.jsonl")}
+    first = tmp_path / "prompts-1.jsonl"
+    res = _run(tmp_path / "work", tmp_path / "out", "", smollm2_dir,
+               SAMPLE=f"p1:{first}:{tmp_path}/answers-1", **env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    pool1 = [json.loads(x) for x in first.read_text().splitlines()]
+    accepted = magpie.queries(cache)
+    assert 1 <= len(pool1) <= len(accepted) and {r["source"] for r in pool1} == {"magpie"}
+    assert {r["id"] for r in pool1} <= {i for i, _ in accepted}
+    assert magpie.restore_archive(archive, tmp_path / "restored.jsonl") == len(magpie.read_cache(cache))
+    [line] = _summary(tmp_path / "work")
+    assert line["name"] == "p1" and line["pool"] == line["answered"] == line["snapshot"] == len(pool1)
+    with tarfile.open(tmp_path / "out" / "answers.tar") as tar:
+        assert str(archive).lstrip("/") in tar.getnames()
+
+    # a second sampling round: its pool holds only the new requests (the first pool excluded)
+    second = tmp_path / "prompts-2.jsonl"
+    res = _run(tmp_path / "work", tmp_path / "out2", "", smollm2_dir, SAMPLE=f"p2:{second}:{tmp_path}/answers-2",
+               MAGPIE_EXCLUDE=str(first), **env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ids2 = {json.loads(x)["id"] for x in second.read_text().splitlines()}
+    assert ids2 and not ids2 & {r["id"] for r in pool1}
