@@ -10,10 +10,11 @@
 # tens of seconds apart, so their probe steps do not overlap. Each run's mean of its last AVG
 # exports comes back as model.safetensors cut into parts of at most 15 MiB (a device run returns
 # files of 16 MiB at most): `cat OUT/NAME/model.safetensors.part-* > model.safetensors`, check
-# OUT/summary.json's sha256; the config is INIT's.
+# OUT/summary.json's sha256; its "config" is the run's config.json.
 # Usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [more train.distill flags]
 # Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
-# repository first), RUNS ("name:lr:seed ..."), STEPS (the runs' length: no probe, and runs a time
+# repository first), RUNS ("name:lr:seed[:flag,flag] ...": the flags, e.g.
+# --draft_vocab=vocab.json, only for that run), STEPS (the runs' length: no probe, and runs a time
 # budget stopped resume; OVERHEAD their start-up seconds, default 90), INIT, TARGET (default: the
 # payload's converted target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE
 # (seconds kept for averaging and packing), WORK (run directories), PYTHON.
@@ -47,27 +48,28 @@ n_runs=$(wc -w <<< "$RUNS")
 export DSPARK_KERNELS=${DSPARK_KERNELS:-off}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "print(round(0.9 / $n_runs, 2))")}
 
-distill() {   # name lr seed run_dir total_steps, more flags
-    local name=$1 lr=$2 seed=$3 dir=$4 steps=$5; shift 5
+distill() {   # name lr seed run_dir total_steps run_flags (comma-separated), more flags
+    local name=$1 lr=$2 seed=$3 dir=$4 steps=$5 own=(); shift 5
+    IFS=, read -r -a own <<< "$1"; shift
     $PY -m train.distill --target "$TARGET" --target_dtype bfloat16 --data "$DATA" --init_from "$INIT" \
         --run_dir "$dir" --total_steps "$steps" --global_batch "$BATCH" --micro_batch "$MICRO" \
         --max_len "$MAX_LEN" --num_anchors "$ANCHORS" --lr "$lr" --lr_schedule cosine --warmup_frac 0.02 \
-        --clip 1.0 --compute_dtype bfloat16 --log_every 10 --seed "$seed" "$@" > "$dir.log" 2>&1
+        --clip 1.0 --compute_dtype bfloat16 --log_every 10 --seed "$seed" "$@" "${own[@]}" > "$dir.log" 2>&1
 }
 at_once() {   # phase (probe|main), total steps, more flags: every run of RUNS at once (probe: the first)
-    local phase=$1 steps=$2 pids=() spec name lr seed dir rc=0 specs=$RUNS; shift 2
+    local phase=$1 steps=$2 pids=() spec name lr seed flags dir rc=0 specs=$RUNS; shift 2
     [ "$phase" = probe ] && specs=${RUNS%% *}
     for spec in $specs; do
-        IFS=: read -r name lr seed <<< "$spec"
+        IFS=: read -r name lr seed flags <<< "$spec"
         dir="$WORK/$phase-$name"
         [ "$phase" = probe ] && rm -rf "$dir"
         mkdir -p "$dir"
-        distill "$name" "$lr" "$seed" "$dir" "$steps" "$@" &
+        distill "$name" "$lr" "$seed" "$dir" "$steps" "$flags" "$@" &
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     for spec in $specs; do
-        IFS=: read -r name _ _ <<< "$spec"
+        IFS=: read -r name _ <<< "$spec"
         grep -E "step [0-9]+/|error|Error" "$WORK/$phase-$name.log" | tail -n 3 | sed "s/^/[$phase-$name] /" | tee -a "$log"
     done
     return $rc
@@ -111,7 +113,7 @@ at_once main "$steps" --save_every "$every" --keep_exports "$AVG" --time_budget 
 
 summary=()
 for spec in $RUNS; do
-    IFS=: read -r name lr seed <<< "$spec"
+    IFS=: read -r name lr seed _ <<< "$spec"
     dir="$WORK/main-$name"
     ls -d "$dir"/export/step_* > /dev/null 2>&1 || { say "$name: no export"; continue; }
     rm -rf "$dir-avg"
@@ -119,14 +121,17 @@ for spec in $RUNS; do
     mkdir -p "$out/$name"
     split -b 15M -d -a 2 "$dir-avg/model.safetensors" "$out/$name/model.safetensors.part-"
     last=$(tail -n 1 "$dir/metrics.jsonl")
-    summary+=("$name" "$lr" "$seed" "$(sha256sum "$dir-avg/model.safetensors" | cut -d' ' -f1)" "$last")
+    summary+=("$name" "$lr" "$seed" "$(sha256sum "$dir-avg/model.safetensors" | cut -d' ' -f1)" "$last"
+              "$dir-avg/config.json")
 done
 "$PY" - "$out/summary.json" "$step_s" "$steps" "$BATCH" "${summary[@]}" <<'EOF'
 import json, sys
 path, step_s, steps, batch, rest = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
-runs = [dict(zip(("name", "lr", "seed", "sha256", "last_step"), rest[i:i + 5])) for i in range(0, len(rest), 5)]
+keys = ("name", "lr", "seed", "sha256", "last_step", "config")
+runs = [dict(zip(keys, rest[i:i + len(keys)])) for i in range(0, len(rest), len(keys))]
 for r in runs:
     r["last_step"] = json.loads(r["last_step"])
+    r["config"] = json.load(open(r["config"]))   # the draft's config.json (a run may change its vocabulary)
 json.dump({"probe_step_seconds": step_s, "planned_steps": steps, "global_batch": batch, "runs": runs},
           open(path, "w"), indent=1)
 EOF

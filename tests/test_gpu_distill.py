@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
+from dspark_jax.train import regen
+from dspark_jax.train.vocab import choose_from_rows, write_choice
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 from tests.test_train import _write_tiny_run_inputs
 
@@ -22,13 +24,17 @@ def _inputs(root: Path) -> dict[str, str]:
     pair = (target, tiny_draft(target, seed=1))
     tiny = _write_tiny_run_inputs(root, pair, answer_samples(target, max_new_tokens=28))
     save_torch_draft(pair[1], dict(pair[1].cfg.raw), root / "init")
-    return {"TARGET": str(tiny["target"]), "INIT": str(root / "init"), "DATA": str(tiny["data"])}
+    # run b's own flag: a reduced vocabulary of the 48 most frequent answer tokens
+    write_choice(choose_from_rows(regen.read_cache(tiny["data"]), target.cfg.vocab_size, 0.5, heldout_fraction=0.0,
+                                  min_size=48), root / "vocab.json")
+    return {"TARGET": str(tiny["target"]), "INIT": str(root / "init"), "DATA": str(tiny["data"]),
+            "RUNS": f"a:1e-3:1 b:3e-3:2:--draft_vocab={root / 'vocab.json'},--weight_decay=0.01"}
 
 
 def _run(root: Path, out: Path, budget: int, **env) -> subprocess.CompletedProcess:
     base = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                 WORK=str(root / "work"), DSPARK_GPU_PAYLOAD=str(root / "no-payload"), BATCH="4", MICRO="2",
-                MAX_LEN="48", ANCHORS="16", PROBE="4", AVG="2", RESERVE="5", RUNS="a:1e-3:1 b:3e-3:2")
+                MAX_LEN="48", ANCHORS="16", PROBE="4", AVG="2", RESERVE="5")
     base.update(env)
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_distill.sh"), str(out), str(budget)], cwd=REPO,
                           env=base, capture_output=True, text=True, timeout=budget + 120, check=False)
@@ -55,8 +61,13 @@ def test_gpu_distill_plans_runs_returns_parts_and_resumes(tmp_path):
         assert 1 <= r["last_step"]["step"] <= planned          # planned, or stopped by --time_budget
         (tmp_path / r["name"]).mkdir()
         (tmp_path / r["name"] / "model.safetensors").write_bytes(blob)
-        (tmp_path / r["name"] / "config.json").write_text((Path(env["INIT"]) / "config.json").read_text())
-        load_draft(tmp_path / r["name"])                        # a loadable draft
+        (tmp_path / r["name"] / "config.json").write_text(json.dumps(r["config"]))
+        draft = load_draft(tmp_path / r["name"])                # a loadable draft
+        kept = draft.draft_token_ids()
+        assert (kept is None) == (r["name"] == "a") and (kept is None or len(kept) == 48)
+    flags_b = json.loads((tmp_path / "work" / "main-b" / "flags.json").read_text())
+    flags_a = json.loads((tmp_path / "work" / "main-a" / "flags.json").read_text())
+    assert flags_b["weight_decay"] == 0.01 and flags_a["weight_decay"] == 0.0 and not flags_a["draft_vocab"]
     a, b = (_joined(out, n) for n in "ab")
     assert a != b                                               # two runs (lr, seed), not one twice
 
