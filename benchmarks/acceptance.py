@@ -60,11 +60,13 @@ def main(argv):
         for name, prompts in sets.items():
             steps_n = accepted = drafted = produced = covered = 0
             at_pos = [0.0] * _T.value           # drafts accepted at position k, summed over calls
+            per_prompt = []                     # each prompt's tok/fwd: where the draft fails
             t0 = time.time()
             for i in range(0, len(prompts), _BATCH.value):
                 st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
                               num_speculative_tokens=_T.value)
                 produced += sum(len(o.token_ids) for o in st.outputs)
+                per_prompt += [o.stats["average_tokens_per_forward"] for o in st.outputs]
                 covered += sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in st.outputs)
                 st = st.stats
                 steps_n += st["num_verify_steps"]
@@ -77,7 +79,8 @@ def main(argv):
                          "num_verify_steps": steps_n, "tok_per_fwd": 1 + accepted / steps_n,
                          "acceptance_rate": accepted / drafted,
                          "draft_vocab_coverage": covered / produced,
-                         "per_position_acceptance": [a / steps_n for a in at_pos]}
+                         "per_position_acceptance": [a / steps_n for a in at_pos],
+                         "per_prompt_tok_per_fwd": per_prompt}
         results.append(row)
     names = list(sets)
     print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")

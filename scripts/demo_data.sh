@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The answer snapshots the demo draft's stage 21 trains on, without training: the prompt pools and
-# Magpie requests rebuilt as scripts/demo_draft.sh builds them, the answers restored from the
-# committed archives (datasets/), the few the archives lack generated (bf16, 8 at a time; 18 on
-# 2026-12-04, about 2 minutes). Use it to feed scripts/gpu_distill.sh (README "Distilling on a
-# GPU"); it prints stage 21's --data list last. Resumable; outputs under $RUN (default runs/demo).
+# The answer snapshots the demo draft's stage 21 trains on, and those of the next GPU run (stage
+# 22), without training: the prompt pools and Magpie requests rebuilt as scripts/demo_draft.sh
+# builds them, the answers restored from the committed archives (datasets/), the few the archives
+# lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2 minutes). Use it to feed
+# scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a GPU"); it prints stage 21's and
+# stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
+# TAR=FILE also writes the tar a GPU run carries: the snapshots, the pools gpu_answers.sh needs,
+# stage 22's vocabulary and the decontamination files (benchmarks and AIME; never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -45,10 +48,21 @@ answers prompts-magpie-open.jsonl regen-magpie-open.jsonl datasets/answers-smoll
 pool magpie-open.jsonl 3000 prompts-magpie-open-2.jsonl --exclude_pool "$RUN/prompts-magpie-open.jsonl" --aime_file "$AIME"
 answers prompts-magpie-open-2.jsonl regen-magpie-open-2.jsonl datasets/answers-smollm2-135m-magpie-open-2 1498 \
     answers-open2-1498.jsonl
-python -m train.magpie --dtype bfloat16 --num_queries 1500 --openers "$ROLE_OPENERS" --out "$RUN/magpie-role.jsonl" \
+python -m train.magpie --dtype bfloat16 --num_queries 3375 --openers "$ROLE_OPENERS" --out "$RUN/magpie-role.jsonl" \
     --archive datasets/magpie-role-smollm2-135m.jsonl.gz
 pool magpie-role.jsonl 1500 prompts-magpie-role.jsonl --aime_file "$AIME"
 answers prompts-magpie-role.jsonl regen-magpie-role.jsonl datasets/answers-smollm2-135m-magpie-role 1500 answers-role-1500.jsonl
+
+# stage 22's additions: pool 4 whole, the second and third role-play pools (twentieth and
+# twenty-first sessions), and a 16,384-id vocabulary chosen over all of its answers
+answers prompts-magpie-4.jsonl regen-magpie-4.jsonl datasets/answers-smollm2-135m-magpie-4 2997 answers-magpie4-2997.jsonl
+pool magpie-role.jsonl 3000 prompts-magpie-role-2.jsonl --exclude_pool "$RUN/prompts-magpie-role.jsonl" --aime_file "$AIME"
+answers prompts-magpie-role-2.jsonl regen-magpie-role-2.jsonl datasets/answers-smollm2-135m-magpie-role-2 1500 \
+    answers-role2-1500.jsonl
+pool magpie-role.jsonl 3375 prompts-magpie-role-3.jsonl \
+    --exclude_pool "$RUN/prompts-magpie-role.jsonl,$RUN/prompts-magpie-role-2.jsonl" --aime_file "$AIME"
+answers prompts-magpie-role-3.jsonl regen-magpie-role-3.jsonl datasets/answers-smollm2-135m-magpie-role-3 375 \
+    answers-role3-375.jsonl
 
 data="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
 data="$data,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-1509.jsonl"
@@ -56,3 +70,28 @@ for _ in 1 2; do data="$data,$RUN/answers-open-1500.jsonl,$RUN/answers-open2-149
 for _ in 1 2 3; do data="$data,$RUN/answers-role-1500.jsonl"; done
 echo "stage 21's --data:"
 echo "$data"
+
+s22="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
+s22="$s22,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-2997.jsonl"
+for _ in 1 2; do
+    s22="$s22,$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-role-1500.jsonl"
+    s22="$s22,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
+done
+unique=$(tr , '\n' <<< "$s22" | awk '!seen[$0]++' | paste -sd,)
+[ -s "$RUN/vocab-s22-16384.json" ] || python -m train.vocab --data "$unique" --vocab_size 49152 --coverage 0.99 \
+    --always 2,0 --min_size 16383 --out "$RUN/vocab-s22-16384.json"
+echo "$s22" > "$RUN/data-s22.txt"
+echo "stage 22's --data (scripts/gpu_stage22.sh adds its new answers; in $RUN/data-s22.txt):"
+echo "$s22"
+
+if [ -n "${TAR:-}" ]; then
+    # the benchmark files train.prompts decontaminates against, for a machine with no network
+    mkdir -p "$RUN/offline-data"
+    python -c "import shutil, sys; from dspark_jax.data import registry
+for key in ('gsm8k_test', 'humaneval', 'mt_bench'): shutil.copy(registry.fetch(key), sys.argv[1])" "$RUN/offline-data"
+    cp "$AIME" "$RUN/offline-data/"
+    mkdir -p "$(dirname "$TAR")"
+    tar -cJf "$TAR" "$RUN"/answers-*.jsonl "$RUN"/answers-*.meta.json "$RUN"/prompts-magpie-*.jsonl \
+        "$RUN/vocab-s22-16384.json" "$RUN/data-s22.txt" "$RUN/offline-data"
+    echo "GPU inputs: $TAR ($(du -h "$TAR" | cut -f1))"
+fi

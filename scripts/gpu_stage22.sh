@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Stage 22 of the demo draft on a lent GPU, in one device call once the payload is there (README
+# "Distilling on a GPU"): new writing requests (Magpie, steered like the "open" pools: MT-Bench's
+# writing first turns are the draft's weakest, 1.66 tok/fwd against 1.92 for role-play), the target's
+# answers to them (gpu_answers.sh, ANSWERS_S seconds, SAMPLE_S of them sampling), then distillation
+# from v21 on stage 22's data plus those answers named twice (gpu_distill.sh, the rest of BUDGET_S).
+# Inputs come in DATA_TAR, made here by `TAR=... scripts/demo_data.sh`: the snapshots and their
+# --data list ($RUN/data-s22.txt), the earlier writing pools, the 16,384-id vocabulary and the
+# decontamination files. Returns OUT/answers.tar and the runs' parts + summary.json.
+# Usage: scripts/gpu_stage22.sh OUT_DIR BUDGET_S
+# Environment: DATA_TAR, RUNS (default one run, K = 16,384, peak lr 3e-4), ANSWERS_S (default 2/5
+# of the budget), SAMPLE_S (default 2/5 of ANSWERS_S), ANSWER_BATCH (256), TRAIN_BATCH (64), MICRO
+# (32); the two scripts' other settings pass through.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_stage22.sh OUT_DIR BUDGET_S}
+budget=${2:?usage: scripts/gpu_stage22.sh OUT_DIR BUDGET_S}
+t0=$(date +%s)
+RUN=${RUN:-runs/demo}
+ANSWERS_S=${ANSWERS_S:-$((budget * 2 / 5))}
+# the writing pools' Magpie settings (scripts/demo_data.sh): a resumed cache must match them
+OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
+
+SAMPLE="open3:$RUN/prompts-magpie-open-3.jsonl:datasets/answers-smollm2-135m-magpie-open-3" \
+MAGPIE_CACHE="$RUN/magpie-open.jsonl" MAGPIE_ARCHIVE=datasets/magpie-open-smollm2-135m.jsonl.gz \
+MAGPIE_OPENERS="$OPENERS" MAGPIE_EXCLUDE="$RUN/prompts-magpie-open.jsonl,$RUN/prompts-magpie-open-2.jsonl" \
+SAMPLE_S=${SAMPLE_S:-$((ANSWERS_S * 2 / 5))} AIME="$RUN/offline-data/aime2026.jsonl" \
+DSPARK_DATA_DIR="$RUN/offline-data" BATCH=${ANSWER_BATCH:-256} \
+    scripts/gpu_answers.sh "$out" "$ANSWERS_S"
+
+[ -s "$RUN/data-s22.txt" ] || { echo "$RUN/data-s22.txt missing: make DATA_TAR with TAR=... scripts/demo_data.sh"; exit 1; }
+data=$(cat "$RUN/data-s22.txt")
+new=runs/gpu-answers/answers-open3.jsonl
+if [ -s "$new" ]; then data="$data,$new,$new"; fi
+DATA_TAR="" DATA="$data" RUNS=${RUNS:-"k16:3e-4:34:--draft_vocab=$RUN/vocab-s22-16384.json"} \
+BATCH=${TRAIN_BATCH:-64} MICRO=${MICRO:-32} \
+    scripts/gpu_distill.sh "$out" $((t0 + budget - $(date +%s)))
