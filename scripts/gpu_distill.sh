@@ -15,7 +15,8 @@
 # Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
 # repository first), RUNS ("name:lr:seed[:flag,flag] ...": the flags, e.g.
 # --draft_vocab=vocab.json, only for that run), STEPS (the runs' length: no probe, and runs a time
-# budget stopped resume; OVERHEAD their start-up seconds, default 90), INIT, TARGET (default: the
+# budget stopped resume; OVERHEAD their start-up seconds, default 90), STEP_S (seconds per step of
+# all runs at once, measured before: no probe, the length planned from it; OVERHEAD default 120), INIT, TARGET (default: the
 # payload's converted target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE
 # (seconds kept for averaging and packing), WORK (run directories), PYTHON.
 set -euo pipefail
@@ -80,6 +81,12 @@ if [ -n "${STEPS:-}" ]; then
     # resume from their run directories' checkpoints
     step_s=0 overhead=${OVERHEAD:-90} steps=$STEPS
     left=$((deadline - $(date +%s) - RESERVE))
+elif [ -n "${STEP_S:-}" ]; then
+    # a known step time (seconds per step of all runs at once): no probe, whose compilation costs
+    # as much as the main runs'; OVERHEAD is their cold start-up
+    step_s=$STEP_S overhead=${OVERHEAD:-120}
+    left=$((deadline - $(date +%s) - RESERVE))
+    steps=$("$PY" -c "print(max(10, int(($left - $overhead - 30) / $step_s)))")
 else
 p0=$(date +%s)
 say "probe: $PROBE steps of $BATCH sequences, run ${RUNS%% *} alone; runs: $RUNS"

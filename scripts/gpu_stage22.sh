@@ -10,7 +10,8 @@
 # Usage: scripts/gpu_stage22.sh OUT_DIR BUDGET_S
 # Environment: DATA_TAR, RUNS (default one run, K = 16,384, peak lr 3e-4), ANSWERS_S (default 2/5
 # of the budget), SAMPLE_S (default 2/5 of ANSWERS_S), ANSWER_BATCH (256), TRAIN_BATCH (64), MICRO
-# (32); the two scripts' other settings pass through.
+# (32), STEP_S (the training plan's seconds per step, default 0.1 per run); the two scripts' other
+# settings pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_stage22.sh OUT_DIR BUDGET_S}
@@ -32,6 +33,8 @@ DSPARK_DATA_DIR="$RUN/offline-data" BATCH=${ANSWER_BATCH:-256} \
 data=$(cat "$RUN/data-s22.txt")
 new=runs/gpu-answers/answers-open3.jsonl
 if [ -s "$new" ]; then data="$data,$new,$new"; fi
-DATA_TAR="" DATA="$data" RUNS=${RUNS:-"k16:3e-4:34:--draft_vocab=$RUN/vocab-s22-16384.json"} \
+RUNS=${RUNS:-"k16:3e-4:34:--draft_vocab=$RUN/vocab-s22-16384.json"}
+# no probe: a step of 64 took 0.09 s with one run on an H200, 0.17-0.19 s with two (stage 21)
+DATA_TAR="" DATA="$data" RUNS="$RUNS" STEP_S=${STEP_S:-$(awk -v n="$(wc -w <<< "$RUNS")" 'BEGIN { print 0.1 * n }')} \
 BATCH=${TRAIN_BATCH:-64} MICRO=${MICRO:-32} \
     scripts/gpu_distill.sh "$out" $((t0 + budget - $(date +%s)))

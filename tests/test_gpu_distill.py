@@ -81,3 +81,12 @@ def test_gpu_distill_plans_runs_returns_parts_and_resumes(tmp_path):
         assert r["last_step"]["step"] == planned and r["last_step"]["lr"] == 0.0
         assert hashlib.sha256(_joined(out2, r["name"])).hexdigest() == r["sha256"]
     assert not list((tmp_path / "work").glob("probe-b"))        # the probe ran the first run alone
+
+    # a known step time instead of a probe: the length planned from it, the runs trained to it
+    out3 = tmp_path / "out3"
+    res = _run(tmp_path, out3, 100, STEP_S="2", OVERHEAD="30", WORK=str(tmp_path / "work3"), **env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary3 = json.loads((out3 / "summary.json").read_text())
+    assert summary3["probe_step_seconds"] == 2.0 and 10 <= summary3["planned_steps"] <= (100 - 5 - 30 - 30) // 2 + 1
+    assert not (tmp_path / "work3" / "probe-a").exists()
+    assert all(1 <= r["last_step"]["step"] <= summary3["planned_steps"] for r in summary3["runs"])
