@@ -45,8 +45,6 @@ say() { echo "[gpu_distill $(($(date +%s) - t0))s] $*" | tee -a "$log"; }
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 n_runs=$(wc -w <<< "$RUNS")
-# the pure-JAX attention the CPU trains with; DSPARK_KERNELS=auto trains through the Pallas kernels
-export DSPARK_KERNELS=${DSPARK_KERNELS:-off}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "print(round(0.9 / $n_runs, 2))")}
 
 distill() {   # name lr seed run_dir total_steps run_flags (comma-separated), more flags

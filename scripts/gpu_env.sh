@@ -6,6 +6,8 @@
 PY=${PYTHON:-python3}
 payload=${DSPARK_GPU_PAYLOAD:-.gpu_payload}
 export PYTHONUNBUFFERED=1
+# the pure-JAX attention the CPU trains and answers with; DSPARK_KERNELS=auto runs the Pallas kernels
+export DSPARK_KERNELS=${DSPARK_KERNELS:-off}
 for z in "$payload"/extras/*.zip; do [ -f "$z" ] && export PYTHONPATH="$PWD/$z${PYTHONPATH:+:$PYTHONPATH}"; done
 if [ -z "${TARGET:-}" ]; then
     $PY -m benchmarks.gpu_payload assemble --dir "$payload" 2>&1 | tail -n 2 | tee -a "$log"
