@@ -5,8 +5,8 @@
 # lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2 minutes). Use it to feed
 # scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a GPU"); it prints stage 21's and
 # stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
-# TAR=FILE also writes the tar a GPU run carries: the snapshots, the pools gpu_answers.sh needs,
-# stage 22's vocabulary and the decontamination files (benchmarks and AIME; never committed).
+# TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (8 MB): stage 22's snapshots, the
+# writing pools, its vocabulary and the decontamination files (benchmarks and AIME; never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -91,7 +91,9 @@ if [ -n "${TAR:-}" ]; then
 for key in ('gsm8k_test', 'humaneval', 'mt_bench'): shutil.copy(registry.fetch(key), sys.argv[1])" "$RUN/offline-data"
     cp "$AIME" "$RUN/offline-data/"
     mkdir -p "$(dirname "$TAR")"
-    tar -cJf "$TAR" "$RUN"/answers-*.jsonl "$RUN"/answers-*.meta.json "$RUN"/prompts-magpie-*.jsonl \
+    # stage 22's snapshots, the writing pools gpu_stage22.sh's new one leaves out, the vocabulary
+    tr , '\n' <<< "$unique" | sed 'p; s/$/.meta.json/' > "$RUN/tar-files.txt"
+    tar -cJf "$TAR" -T "$RUN/tar-files.txt" "$RUN/prompts-magpie-open.jsonl" "$RUN/prompts-magpie-open-2.jsonl" \
         "$RUN/vocab-s22-16384.json" "$RUN/data-s22.txt" "$RUN/offline-data"
     echo "GPU inputs: $TAR ($(du -h "$TAR" | cut -f1))"
 fi
