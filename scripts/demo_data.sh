@@ -41,7 +41,7 @@ answers prompts-magpie-3.jsonl regen-magpie-3.jsonl datasets/answers-smollm2-135
 pool magpie.jsonl 12000 prompts-magpie-4.jsonl \
     --exclude_pool "$RUN/prompts-magpie.jsonl,$RUN/prompts-magpie-2.jsonl,$RUN/prompts-magpie-3.jsonl" --aime_file "$AIME"
 answers prompts-magpie-4.jsonl regen-magpie-4.jsonl datasets/answers-smollm2-135m-magpie-4 1509 answers-magpie4-1509.jsonl
-python -m train.magpie --dtype bfloat16 --num_queries 3000 --openers "$OPENERS" --out "$RUN/magpie-open.jsonl" \
+python -m train.magpie --dtype bfloat16 --num_queries 3444 --openers "$OPENERS" --out "$RUN/magpie-open.jsonl" \
     --archive datasets/magpie-open-smollm2-135m.jsonl.gz
 pool magpie-open.jsonl 1500 prompts-magpie-open.jsonl
 answers prompts-magpie-open.jsonl regen-magpie-open.jsonl datasets/answers-smollm2-135m-magpie-open 1500 answers-open-1500.jsonl
@@ -53,8 +53,8 @@ python -m train.magpie --dtype bfloat16 --num_queries 3375 --openers "$ROLE_OPEN
 pool magpie-role.jsonl 1500 prompts-magpie-role.jsonl --aime_file "$AIME"
 answers prompts-magpie-role.jsonl regen-magpie-role.jsonl datasets/answers-smollm2-135m-magpie-role 1500 answers-role-1500.jsonl
 
-# stage 22's additions: pool 4 whole, the second and third role-play pools (twentieth and
-# twenty-first sessions), and a 16,384-id vocabulary chosen over all of its answers
+# stage 22's additions: pool 4 whole, the second and third role-play pools and a third writing pool
+# (twentieth and twenty-first sessions), and a 16,384-id vocabulary chosen over all of its answers
 answers prompts-magpie-4.jsonl regen-magpie-4.jsonl datasets/answers-smollm2-135m-magpie-4 2997 answers-magpie4-2997.jsonl
 pool magpie-role.jsonl 3000 prompts-magpie-role-2.jsonl --exclude_pool "$RUN/prompts-magpie-role.jsonl" --aime_file "$AIME"
 answers prompts-magpie-role-2.jsonl regen-magpie-role-2.jsonl datasets/answers-smollm2-135m-magpie-role-2 1500 \
@@ -63,6 +63,10 @@ pool magpie-role.jsonl 3375 prompts-magpie-role-3.jsonl \
     --exclude_pool "$RUN/prompts-magpie-role.jsonl,$RUN/prompts-magpie-role-2.jsonl" --aime_file "$AIME"
 answers prompts-magpie-role-3.jsonl regen-magpie-role-3.jsonl datasets/answers-smollm2-135m-magpie-role-3 375 \
     answers-role3-375.jsonl
+pool magpie-open.jsonl 3444 prompts-magpie-open-3.jsonl \
+    --exclude_pool "$RUN/prompts-magpie-open.jsonl,$RUN/prompts-magpie-open-2.jsonl" --aime_file "$AIME"
+answers prompts-magpie-open-3.jsonl regen-magpie-open-3.jsonl datasets/answers-smollm2-135m-magpie-open-3 444 \
+    answers-open3-444.jsonl
 
 data="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
 data="$data,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-1509.jsonl"
@@ -74,8 +78,8 @@ echo "$data"
 s22="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
 s22="$s22,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-2997.jsonl"
 for _ in 1 2; do
-    s22="$s22,$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-role-1500.jsonl"
-    s22="$s22,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
+    s22="$s22,$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-open3-444.jsonl"
+    s22="$s22,$RUN/answers-role-1500.jsonl,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
 done
 unique=$(tr , '\n' <<< "$s22" | awk '!seen[$0]++' | paste -sd,)
 [ -s "$RUN/vocab-s22-16384.json" ] || python -m train.vocab --data "$unique" --vocab_size 49152 --coverage 0.99 \
@@ -93,7 +97,7 @@ for key in ('gsm8k_test', 'humaneval', 'mt_bench'): shutil.copy(registry.fetch(k
     mkdir -p "$(dirname "$TAR")"
     # stage 22's snapshots, the writing pools gpu_stage22.sh's new one leaves out, the vocabulary
     tr , '\n' <<< "$unique" | sed 'p; s/$/.meta.json/' > "$RUN/tar-files.txt"
-    tar -cJf "$TAR" -T "$RUN/tar-files.txt" "$RUN/prompts-magpie-open.jsonl" "$RUN/prompts-magpie-open-2.jsonl" \
+    tar -cJf "$TAR" -T "$RUN/tar-files.txt" "$RUN"/prompts-magpie-open{,-2,-3}.jsonl \
         "$RUN/vocab-s22-16384.json" "$RUN/data-s22.txt" "$RUN/offline-data"
     echo "GPU inputs: $TAR ($(du -h "$TAR" | cut -f1))"
 fi

@@ -22,16 +22,16 @@ ANSWERS_S=${ANSWERS_S:-$((budget * 2 / 5))}
 # the writing pools' Magpie settings (scripts/demo_data.sh): a resumed cache must match them
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
 
-SAMPLE="open3:$RUN/prompts-magpie-open-3.jsonl:datasets/answers-smollm2-135m-magpie-open-3" \
+SAMPLE="open4:$RUN/prompts-magpie-open-4.jsonl:datasets/answers-smollm2-135m-magpie-open-4" \
 MAGPIE_CACHE="$RUN/magpie-open.jsonl" MAGPIE_ARCHIVE=datasets/magpie-open-smollm2-135m.jsonl.gz \
-MAGPIE_OPENERS="$OPENERS" MAGPIE_EXCLUDE="$RUN/prompts-magpie-open.jsonl,$RUN/prompts-magpie-open-2.jsonl" \
+MAGPIE_OPENERS="$OPENERS" MAGPIE_EXCLUDE="$(echo "$RUN"/prompts-magpie-open{,-2,-3}.jsonl | tr ' ' ,)" \
 SAMPLE_S=${SAMPLE_S:-$((ANSWERS_S * 2 / 5))} AIME="$RUN/offline-data/aime2026.jsonl" \
 DSPARK_DATA_DIR="$RUN/offline-data" BATCH=${ANSWER_BATCH:-256} \
     scripts/gpu_answers.sh "$out" "$ANSWERS_S"
 
 [ -s "$RUN/data-s22.txt" ] || { echo "$RUN/data-s22.txt missing: make DATA_TAR with TAR=... scripts/demo_data.sh"; exit 1; }
 data=$(cat "$RUN/data-s22.txt")
-new=runs/gpu-answers/answers-open3.jsonl
+new=runs/gpu-answers/answers-open4.jsonl
 if [ -s "$new" ]; then data="$data,$new,$new"; fi
 RUNS=${RUNS:-"k16:3e-4:34:--draft_vocab=$RUN/vocab-s22-16384.json"}
 # no probe: a step of 64 took 0.09 s with one run on an H200, 0.17-0.19 s with two (stage 21)
