@@ -15,15 +15,16 @@
 #   - a line in $WORK/answers.jsonl (pool size, answered, archived, snapshot size, seconds).
 # Before them, SAMPLE="name:prompts.jsonl:archive_dir" first writes that pool: new chat requests
 # (train.magpie into MAGPIE_CACHE, restored from and archived to MAGPIE_ARCHIVE, MAGPIE_OPENERS,
-# BATCH at once) for SAMPLE_S seconds (at most SAMPLE_MAX more, default 20,000), then `train.prompts --sources magpie` over the cache's
-# accepted requests less MAGPIE_EXCLUDE (its earlier pools, comma-separated) and their near
-# duplicates, decontaminated against the benchmarks (DSPARK_DATA_DIR or the data cache; AIME: the
+# BATCH at once) for SAMPLE_S seconds (at most SAMPLE_MAX more, default 20,000), then
+# `train.prompts --sources magpie` over the cache's accepted requests less MAGPIE_EXCLUDE (its
+# earlier pools, comma-separated) and their near duplicates, decontaminated against the benchmarks (DSPARK_DATA_DIR or the data cache; AIME: the
 # file AIME names, if any); the pool joins POOLS, the Magpie archive the tar.
 # Everything returned is in one file, OUT/answers.tar (a device call returns 8 files at most):
 # the archives, $WORK/answers.jsonl and $WORK/gpu_answers.log.
 # Usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S
 # Environment: POOLS and/or SAMPLE, BATCH, MAX_NEW_TOKENS, RESERVE (seconds kept for the snapshots
-# and the tar, default 30), DATA_TAR, TARGET, WORK (default runs/gpu-answers), PYTHON.
+# and the tar, default 30), DATA_TAR, TARGET (default: the payload's, by its preset name), WORK
+# (default runs/gpu-answers), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S}
