@@ -17,8 +17,9 @@
 # (train.magpie into MAGPIE_CACHE, restored from and archived to MAGPIE_ARCHIVE, MAGPIE_OPENERS,
 # BATCH at once) for SAMPLE_S seconds (at most SAMPLE_MAX more, default 20,000), then
 # `train.prompts --sources magpie` over the cache's accepted requests less MAGPIE_EXCLUDE (its
-# earlier pools, comma-separated) and their near duplicates, decontaminated against the benchmarks (DSPARK_DATA_DIR or the data cache; AIME: the
-# file AIME names, if any); the pool joins POOLS, the Magpie archive the tar.
+# earlier pools, comma-separated) and their near duplicates, decontaminated against the benchmarks
+# (DSPARK_DATA_DIR or the data cache; AIME: the file AIME names, if any); the pool joins POOLS, the
+# Magpie archive the tar.
 # Everything returned is in one file, OUT/answers.tar (a device call returns 8 files at most):
 # the archives, $WORK/answers.jsonl and $WORK/gpu_answers.log.
 # Usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S

@@ -16,9 +16,10 @@
 # repository first), RUNS ("name:lr:seed[:flag,flag] ...": the flags, e.g.
 # --draft_vocab=vocab.json, only for that run), STEPS (the runs' length: no probe, and runs a time
 # budget stopped resume; OVERHEAD their start-up seconds, default 90), STEP_S (seconds per step of
-# all runs at once, measured before: no probe, the length planned from it; OVERHEAD default 120), INIT, TARGET (default: the
-# payload's converted target), BATCH, MICRO, ANCHORS, MAX_LEN, AVG, PROBE (probe steps), RESERVE
-# (seconds kept for averaging and packing), WORK (run directories), PYTHON.
+# all runs at once, measured before: no probe, the length planned from it; OVERHEAD default 120),
+# INIT, TARGET (default: the payload's converted target, by its preset name), BATCH, MICRO, ANCHORS,
+# MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for averaging and packing), WORK (run
+# directories), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [train.distill flags]}

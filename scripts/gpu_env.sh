@@ -1,8 +1,8 @@
 # Sourced by the GPU scripts (gpu_distill.sh, gpu_answers.sh): the interpreter, the payload's
 # extras on PYTHONPATH (the GPU image lacks gguf and tensorboardX) and the target, assembled from
 # `python -m benchmarks.gpu_payload pack`'s parts unless TARGET names one (then the preset name
-# smollm2-135m, resolved to it); DATA_TAR (a tar of inputs)
-# extracted into the repository. Needs `say` and `log`.
+# smollm2-135m, resolved to it); DATA_TAR (a tar of inputs) extracted into the repository. Needs
+# `say` and `log`.
 PY=${PYTHON:-python3}
 payload=${DSPARK_GPU_PAYLOAD:-.gpu_payload}
 export PYTHONUNBUFFERED=1

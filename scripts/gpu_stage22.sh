@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage 22 of the demo draft on a lent GPU, in one device call once the payload is there (README
-# "Distilling on a GPU"): new writing requests (Magpie, steered like the "open" pools: MT-Bench's
+# "Stage 22 on a GPU"): new writing requests (Magpie, steered like the "open" pools: MT-Bench's
 # writing first turns are the draft's weakest, 1.66 tok/fwd against 1.92 for role-play), the target's
 # answers to them (gpu_answers.sh, ANSWERS_S seconds, SAMPLE_S of them sampling), then distillation
 # from v21 on stage 22's data plus those answers named twice (gpu_distill.sh, the rest of BUDGET_S).
