@@ -48,7 +48,7 @@ answers prompts-magpie-open.jsonl regen-magpie-open.jsonl datasets/answers-smoll
 pool magpie-open.jsonl 3000 prompts-magpie-open-2.jsonl --exclude_pool "$RUN/prompts-magpie-open.jsonl" --aime_file "$AIME"
 answers prompts-magpie-open-2.jsonl regen-magpie-open-2.jsonl datasets/answers-smollm2-135m-magpie-open-2 1498 \
     answers-open2-1498.jsonl
-python -m train.magpie --dtype bfloat16 --num_queries 3375 --openers "$ROLE_OPENERS" --out "$RUN/magpie-role.jsonl" \
+python -m train.magpie --dtype bfloat16 --num_queries 4804 --openers "$ROLE_OPENERS" --out "$RUN/magpie-role.jsonl" \
     --archive datasets/magpie-role-smollm2-135m.jsonl.gz
 pool magpie-role.jsonl 1500 prompts-magpie-role.jsonl --aime_file "$AIME"
 answers prompts-magpie-role.jsonl regen-magpie-role.jsonl datasets/answers-smollm2-135m-magpie-role 1500 answers-role-1500.jsonl
@@ -67,6 +67,12 @@ pool magpie-open.jsonl 3444 prompts-magpie-open-3.jsonl \
     --exclude_pool "$RUN/prompts-magpie-open.jsonl,$RUN/prompts-magpie-open-2.jsonl" --aime_file "$AIME"
 answers prompts-magpie-open-3.jsonl regen-magpie-open-3.jsonl datasets/answers-smollm2-135m-magpie-open-3 444 \
     answers-open3-444.jsonl
+# the fourth role-play pool (twenty-second session): the role-play requests past role-3's 3,375
+pool magpie-role.jsonl 4804 prompts-magpie-role-4.jsonl \
+    --exclude_pool "$RUN/prompts-magpie-role.jsonl,$RUN/prompts-magpie-role-2.jsonl,$RUN/prompts-magpie-role-3.jsonl" \
+    --aime_file "$AIME"
+answers prompts-magpie-role-4.jsonl regen-magpie-role-4.jsonl datasets/answers-smollm2-135m-magpie-role-4 1429 \
+    answers-role4-1429.jsonl
 
 data="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
 data="$data,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-1509.jsonl"
@@ -82,8 +88,11 @@ for _ in 1 2; do
     s22="$s22,$RUN/answers-role-1500.jsonl,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
 done
 unique=$(tr , '\n' <<< "$s22" | awk '!seen[$0]++' | paste -sd,)
+# the vocabulary was chosen before the fourth role-play pool existed: the list above, kept fixed
 [ -s "$RUN/vocab-s22-16384.json" ] || python -m train.vocab --data "$unique" --vocab_size 49152 --coverage 0.99 \
     --always 2,0 --min_size 16383 --out "$RUN/vocab-s22-16384.json"
+for _ in 1 2; do s22="$s22,$RUN/answers-role4-1429.jsonl"; done
+unique="$unique,$RUN/answers-role4-1429.jsonl"
 echo "$s22" > "$RUN/data-s22.txt"
 echo "stage 22's --data (scripts/gpu_stage22.sh adds its new answers; in $RUN/data-s22.txt):"
 echo "$s22"

@@ -32,9 +32,10 @@ from dspark_jax.train.regen import Sample
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=True, eos_token_id=None, rms_norm_eps=1e-5)
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": None,
+              "rms_norm_eps": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def samples(pair):
 
 
 def _cfg(run_dir, **kw) -> T.TrainConfig:
-    base = dict(run_dir=str(run_dir), total_steps=4, global_batch=4, micro_batch=2, max_len=48,
-                compute_dtype="float32", save_every=1000, export=False, loss=L.LossConfig(num_anchors=16))
+    base = {"run_dir": str(run_dir), "total_steps": 4, "global_batch": 4, "micro_batch": 2, "max_len": 48,
+            "compute_dtype": "float32", "save_every": 1000, "export": False, "loss": L.LossConfig(num_anchors=16)}
     base.update(kw)
     return T.TrainConfig(**base)
 
@@ -373,7 +374,7 @@ def test_one_and_eight_devices_give_the_same_loss():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(REPO),
                JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", _DEVICES_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["one"]["shards"] == 1 and out["eight"]["shards"] == 8       # the draft is FSDP-sharded
@@ -419,7 +420,7 @@ def test_sigkill_then_resume_continues_exactly(pair, samples, tmp_path):
     inputs = _write_tiny_run_inputs(tmp_path, pair, samples)
     steps = 16
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    kw = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kw = {"cwd": REPO, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     ref = subprocess.Popen(_distill_cmd(inputs, tmp_path / "ref", steps), **kw)
     victim = subprocess.Popen(_distill_cmd(inputs, tmp_path / "victim", steps), **kw)
     deadline = time.time() + 240
@@ -430,7 +431,7 @@ def test_sigkill_then_resume_continues_exactly(pair, samples, tmp_path):
     victim.wait()
     killed_at = len(_metrics(tmp_path / "victim"))
     assert killed_at < steps
-    resumed = subprocess.run(_distill_cmd(inputs, tmp_path / "victim", steps), timeout=240, **kw)
+    resumed = subprocess.run(_distill_cmd(inputs, tmp_path / "victim", steps), timeout=240, check=False, **kw)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from step" in resumed.stdout
     ref_out, _ = ref.communicate(timeout=240)
@@ -584,7 +585,7 @@ def _leaf(tree, name):
 
 
 def test_export_and_init_from_round_trip(pair, tmp_path):
-    target, draft = pair
+    _, draft = pair
     cfg = dict(draft.cfg.raw, torch_dtype="float32")
     save_torch_draft(draft, cfg, tmp_path / "d")
     back = load_draft(tmp_path / "d", dtype=jnp.float32)
