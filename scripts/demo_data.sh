@@ -5,7 +5,7 @@
 # lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2 minutes). Use it to feed
 # scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a GPU"); it prints stage 21's and
 # stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
-# TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (7.4 MB): stage 22's snapshots, the
+# TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (7.8 MiB): stage 22's snapshots, the
 # writing pools, its vocabulary and the decontamination files (benchmarks and AIME; never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."

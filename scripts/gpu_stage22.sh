@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Stage 22 of the demo draft on a lent GPU, in one device call once the payload is there (README
-# "Stage 22 on a GPU"): new writing requests (Magpie, steered like the "open" pools: MT-Bench's
-# writing first turns are the draft's weakest, 1.66 tok/fwd against 1.92 for role-play), the target's
+# The demo draft's next GPU stage, in one device call once the payload is there (README "Stage 22's
+# data on a GPU"; named for its data, chosen before the CPU's stage 22 made v22): new writing
+# requests (Magpie, steered like the "open" pools: MT-Bench's writing first turns are the draft's
+# weakest, 1.66 tok/fwd against 1.92 for role-play with v21), the target's
 # answers to them (gpu_answers.sh, ANSWERS_S seconds, SAMPLE_S of them sampling), then distillation
-# from v21 on stage 22's data plus those answers named twice (gpu_distill.sh, the rest of BUDGET_S).
+# from the shipped draft (v22) on stage 22's data plus those answers named twice (gpu_distill.sh,
+# the rest of BUDGET_S).
 # Inputs come in DATA_TAR, made here by `TAR=... scripts/demo_data.sh`: the snapshots and their
 # --data list ($RUN/data-s22.txt), the earlier writing pools, the 16,384-id vocabulary and the
 # decontamination files. Returns OUT/answers.tar and the runs' parts + summary.json.
