@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The answer snapshots the demo draft's stage 21 trains on, and those of the next GPU run (stage
-# 22), without training: the prompt pools and Magpie requests rebuilt as scripts/demo_draft.sh
-# builds them, the answers restored from the committed archives (datasets/), the few the archives
-# lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2 minutes). Use it to feed
-# scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a GPU"); it prints stage 21's and
-# stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
+# The answer snapshots the demo draft's stages 21 and 22 train on, and those of the next GPU run
+# ("stage 22's data", gpu_stage22.sh), without training: the prompt pools and Magpie requests
+# rebuilt as scripts/demo_draft.sh builds them, the answers restored from the committed archives
+# (datasets/), the few the archives lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2
+# minutes). Use it to feed scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a
+# GPU"); it prints stage 21's and stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
 # TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (7.8 MiB): stage 22's snapshots, the
 # writing pools, its vocabulary and the decontamination files (benchmarks and AIME; never committed).
 set -euo pipefail
