@@ -10,13 +10,15 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v22: this script's output with the
-# defaults below (stage 22: v21 trained STEPS22 steps on this CPU, the mean of its last AVG22 exports
-# averaged with v21; v21 = stage 21: v20 trained on a GPU, STEPS21 steps of BATCH21 sequences, the lr
-# decayed to 0, the mean of its last AVG21 exports; v20 = stage 20: one run of STEPS20 steps, the mean of
-# its last AVG20 exports, averaged with stage 19's draft;
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v23: this script's output with the
+# defaults below (stage 23: two runs from v22 on this CPU, STEPS23A and STEPS23B steps, each the
+# mean of its last AVG23 exports, averaged with v22; v22 = stage 22: v21 trained STEPS22 steps on this
+# CPU, the mean of its last AVG22 exports averaged with v21; v21 = stage 21: v20 trained on a GPU,
+# STEPS21 steps of BATCH21 sequences, the lr decayed to 0, the mean of its last AVG21 exports;
+# v20 = stage 20: one run of STEPS20 steps, the mean of its last AVG20 exports, averaged with stage
+# 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=21 gives v21 (the previous shipped draft), 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
+# STAGES=22 gives v22 (the previous shipped draft), 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
 # 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -29,7 +31,7 @@
 # shipped v13 file, v15 from the shipped v14 file, v16 from the shipped v15 file, v18 from the
 # shipped v17 file, v19 from the shipped v18 file, v20 from the shipped v19 file, v21 from the
 # shipped v20 file on an H200 (stopped by its time budget at step 1,145, resumed to 2,153 in a
-# second device call), v22 from the shipped v21 file, v17 from the
+# second device call), v22 from the shipped v21 file, v23 from the shipped v22 file, v17 from the
 # shipped v16 file (v16's last 9 of 8,009 GSM8K/IFEval answers and 1 of 500 steered ones
 # generated anew on an AMX CPU); the Magpie requests (the first 3,000 sampled on the ninth session's
 # CPU, 3,000 more on the eleventh's, 3,000 on the twelfth's and thirteenth's, the steered ones on
@@ -127,9 +129,12 @@ LR21=${LR21:-3e-4}            # stage 21: peak lr (v21; 1e-4 measured worse)
 AVG21=${AVG21:-5}             # stage 21: the mean of the last AVG21 exports (107 steps apart)
 STEPS22=${STEPS22:-250}       # stage 22: the run's length in optimizer steps of 16 (cosine decay to 0 over it)
 AVG22=${AVG22:-5}             # stage 22: the mean of the last AVG22 exports
+STEPS23A=${STEPS23A:-250}     # stage 23: run a's length in optimizer steps of 16 (peak lr 1e-4)
+STEPS23B=${STEPS23B:-200}     # stage 23: run b's length (peak lr 3e-4)
+AVG23=${AVG23:-5}             # stage 23: each run's mean of its last AVG23 exports
 ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-22}
+STAGES=${STAGES:-23}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -520,6 +525,26 @@ if [ "$STAGES" -ge 22 ]; then
     [ -d "$RUN/distill-$NAME-22-soup" ] || python -m train.average --drafts "$start,$final" \
         --out "$RUN/distill-$NAME-22-soup"
     final="$RUN/distill-$NAME-22-soup"
+fi
+
+# (5u) stage 23 (v23, STAGES=23): two runs from v22 (made at once, one per core) on the writing and
+# role-play answers alone, now with the fourth role-play pool (8,110 sequences): run a at peak lr 1e-4
+# for STEPS23A steps (seed 41), run b at 3e-4 for STEPS23B steps (seed 42), both cosine to 0; v23 is the
+# mean of three drafts (a weight soup): each run's mean of its last AVG23 exports, and v22.
+if [ "$STAGES" -ge 23 ]; then
+    data="$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-open3-444.jsonl"
+    data="$data,$RUN/answers-role-1500.jsonl,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
+    data="$data,$RUN/answers-role4-1429.jsonl"
+    start=$final
+    lr=1e-4 schedule=cosine averaged 23a "$data" "$STEPS23A" "$STEPS23A" "$AVG23" 41 \
+        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50
+    mean_a=$final
+    final=$start
+    lr=3e-4 schedule=cosine averaged 23b "$data" "$STEPS23B" "$STEPS23B" "$AVG23" 42 \
+        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50
+    [ -d "$RUN/distill-$NAME-23-soup" ] || python -m train.average --drafts "$mean_a,$final,$start" \
+        --out "$RUN/distill-$NAME-23-soup"
+    final="$RUN/distill-$NAME-23-soup"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)
