@@ -532,9 +532,7 @@ fi
 # for STEPS23A steps (seed 41), run b at 3e-4 for STEPS23B steps (seed 42), both cosine to 0; v23 is the
 # mean of three drafts (a weight soup): each run's mean of its last AVG23 exports, and v22.
 if [ "$STAGES" -ge 23 ]; then
-    data="$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-open3-444.jsonl"
-    data="$data,$RUN/answers-role-1500.jsonl,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
-    data="$data,$RUN/answers-role4-1429.jsonl"
+    data="$data,$RUN/answers-role4-1429.jsonl"   # stage 22's six snapshots plus the fourth role-play pool
     start=$final
     lr=1e-4 schedule=cosine averaged 23a "$data" "$STEPS23A" "$STEPS23A" "$AVG23" 41 \
         --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50
