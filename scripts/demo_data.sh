@@ -5,7 +5,7 @@
 # (datasets/), the few the archives lack generated (bf16, 8 at a time; 18 on 2026-12-04, about 2
 # minutes). Use it to feed scripts/gpu_distill.sh and gpu_answers.sh (README "Distilling on a
 # GPU"); it prints stage 21's and stage 22's --data lists last. Resumable; outputs under $RUN (default runs/demo).
-# TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (7.8 MiB): stage 22's snapshots, the
+# TAR=FILE also writes the tar scripts/gpu_stage22.sh carries (8.4 MiB): stage 22's snapshots, the
 # writing pools, its vocabulary and the decontamination files (benchmarks and AIME; never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,13 @@ pool magpie-role.jsonl 4804 prompts-magpie-role-4.jsonl \
     --aime_file "$AIME"
 answers prompts-magpie-role-4.jsonl regen-magpie-role-4.jsonl datasets/answers-smollm2-135m-magpie-role-4 1429 \
     answers-role4-1429.jsonl
+# the fourth writing pool (twenty-fourth and twenty-fifth sessions): the writing requests among the
+# open cache's first 5,507 that the first three writing pools leave out
+pool magpie-open.jsonl 5507 prompts-magpie-open-4.jsonl \
+    --exclude_pool "$RUN/prompts-magpie-open.jsonl,$RUN/prompts-magpie-open-2.jsonl,$RUN/prompts-magpie-open-3.jsonl" \
+    --aime_file "$AIME"
+answers prompts-magpie-open-4.jsonl regen-magpie-open-4.jsonl datasets/answers-smollm2-135m-magpie-open-4 2060 \
+    answers-open4-2060.jsonl
 
 data="$RUN/answers-gsm-ifeval-8009.jsonl,$RUN/answers-magpie-2960.jsonl,$RUN/answers-magpie2-2998.jsonl"
 data="$data,$RUN/answers-magpie3-2994.jsonl,$RUN/answers-magpie4-1509.jsonl"
@@ -92,7 +99,7 @@ unique=$(tr , '\n' <<< "$s22" | awk '!seen[$0]++' | paste -sd,)
 [ -s "$RUN/vocab-s22-16384.json" ] || python -m train.vocab --data "$unique" --vocab_size 49152 --coverage 0.99 \
     --always 2,0 --min_size 16383 --out "$RUN/vocab-s22-16384.json"
 for _ in 1 2; do s22="$s22,$RUN/answers-role4-1429.jsonl"; done
-unique="$unique,$RUN/answers-role4-1429.jsonl"
+unique="$unique,$RUN/answers-role4-1429.jsonl,$RUN/answers-open4-2060.jsonl"   # gpu_stage22.sh adds open4 twice
 echo "$s22" > "$RUN/data-s22.txt"
 echo "stage 22's --data (scripts/gpu_stage22.sh adds its new answers; in $RUN/data-s22.txt):"
 echo "$s22"
@@ -106,7 +113,7 @@ for key in ('gsm8k_test', 'humaneval', 'mt_bench'): shutil.copy(registry.fetch(k
     mkdir -p "$(dirname "$TAR")"
     # stage 22's snapshots, the writing pools gpu_stage22.sh's new one leaves out, the vocabulary
     tr , '\n' <<< "$unique" | sed 'p; s/$/.meta.json/' > "$RUN/tar-files.txt"
-    tar -cJf "$TAR" -T "$RUN/tar-files.txt" "$RUN"/prompts-magpie-open{,-2,-3}.jsonl \
+    tar -cJf "$TAR" -T "$RUN/tar-files.txt" "$RUN"/prompts-magpie-open{,-2,-3,-4}.jsonl \
         "$RUN/vocab-s22-16384.json" "$RUN/data-s22.txt" "$RUN/offline-data"
     echo "GPU inputs: $TAR ($(du -h "$TAR" | cut -f1))"
 fi
