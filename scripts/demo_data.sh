@@ -104,6 +104,13 @@ echo "$s22" > "$RUN/data-s22.txt"
 echo "stage 22's --data (scripts/gpu_stage22.sh adds its new answers; in $RUN/data-s22.txt):"
 echo "$s22"
 
+# stage 25 and the 16,384-id run after it (README "Stage 25"): stage 23's writing and role-play
+# snapshots, then the fourth writing pool twice
+s25="$RUN/answers-open-1500.jsonl,$RUN/answers-open2-1498.jsonl,$RUN/answers-open3-444.jsonl"
+s25="$s25,$RUN/answers-role-1500.jsonl,$RUN/answers-role2-1500.jsonl,$RUN/answers-role3-375.jsonl"
+s25="$s25,$RUN/answers-role4-1429.jsonl,$RUN/answers-open4-2060.jsonl,$RUN/answers-open4-2060.jsonl"
+echo "$s25" > "$RUN/data-s25.txt"
+
 if [ -n "${TAR:-}" ]; then
     # the benchmark files train.prompts decontaminates against, for a machine with no network
     mkdir -p "$RUN/offline-data"
