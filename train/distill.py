@@ -17,6 +17,7 @@ most frequent answer tokens): a fresh one, or --init_from's draft with its Marko
 moved to the kept rows (a reduced draft given a new vocabulary keeps its rows for the ids both
 hold; ids it lacked start at zero); the file is copied to <run_dir>/vocab.json and a resume must
 give the same one (checkpoints hold parameters, not the map);
+--add_layers N deepens --init_from's draft by N layers that start as identities;
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
@@ -64,6 +65,8 @@ flags.DEFINE_string("teacher_dir", None, "Offline teacher shard directory (inste
 flags.DEFINE_float("teacher_timeout", None, "Seconds to wait for a live teacher shard (default: forever).")
 flags.DEFINE_string("draft_config", None, "Draft config.json (default: --init_from's).")
 flags.DEFINE_string("init_from", None, "Start from this torch-layout draft directory.")
+flags.DEFINE_integer("add_layers", 0, "With --init_from: that draft with this many more decoder layers, each "
+                     "a copy of its last with zero o_proj/down_proj (drafts as before until trained).")
 flags.DEFINE_string("resume_torchspec", None, "TorchSpec checkpoint_N.pt (or a dir holding training_checkpoint/).")
 flags.DEFINE_string("run_dir", None, "Checkpoints, metrics.jsonl, tb/, export/.")
 flags.DEFINE_integer("total_steps", None, "Optimizer steps (default: --epochs over the data).")
@@ -135,7 +138,15 @@ def main(argv: list[str]) -> None:
     if FLAGS.init_from:
         from dspark_jax.checkpoint.draft_io import load_draft
         init_draft = load_draft(FLAGS.init_from, dtype=jnp.float32, mesh=mesh)
+        if FLAGS.add_layers:
+            from dspark_jax.checkpoint.draft_layout import add_layers
+            n_before = init_draft.cfg.num_hidden_layers
+            init_draft = add_layers(init_draft, FLAGS.add_layers)
+            log(f"--init_from's {n_before} decoder layers -> {init_draft.cfg.num_hidden_layers}: the new ones copy "
+                f"layer {n_before - 1} with zero o_proj/down_proj")
         draft_cfg = init_draft.cfg
+    elif FLAGS.add_layers:
+        raise app.UsageError("--add_layers grows --init_from's draft: it needs --init_from")
     if FLAGS.draft_config:
         draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
     elif not FLAGS.init_from:

@@ -267,3 +267,34 @@ def check_tensors(cfg: DraftConfig, found: Sequence[TensorEntry], where: str) ->
         more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         raise CheckpointError(f"{where} does not match its config.json ({len(problems)} problem(s)):\n  "
                               + "\n  ".join(problems[:MAX_LISTED]) + more)
+
+
+# the tensors that write a decoder layer's result into the residual stream
+_LAYER_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def add_layers(draft: K3DSparkModel, n: int) -> K3DSparkModel:
+    """A copy of a draft with `n` more decoder layers after its last (num_hidden_layers + n), each
+    a copy of the last layer with its residual outputs (`o_proj`, `down_proj`) zero: the new layers
+    add nothing until trained, so the copy drafts exactly as the original does (depth grown as
+    LoRA grows rank: the zero side gets the first gradient). Everything else is copied."""
+    cfg = draft.cfg
+    if n < 1:
+        raise ValueError(f"add_layers: n must be >= 1, got {n}")
+    src = params_lib.flat_params(draft)
+    dtype = next(iter(src.values())).get_value().dtype
+    deeper = K3DSparkModel(DraftConfig.from_dict({**cfg.raw, "num_hidden_layers": cfg.num_hidden_layers + n}),
+                           dtype=dtype, rngs=nnx.Rngs(0))
+    last = f"layers.{cfg.num_hidden_layers - 1}."
+    for name, p in params_lib.flat_params(deeper).items():
+        m = re.match(r"layers\.(\d+)\.(.+)", name)
+        if m is None or int(m.group(1)) < cfg.num_hidden_layers:
+            p.set_value(src[name].get_value())
+        elif m.group(2) in _LAYER_OUTPUTS:
+            p.set_value(jnp.zeros_like(src[last + m.group(2)].get_value()))
+        else:
+            p.set_value(src[last + m.group(2)].get_value())
+    own = draft.draft_token_ids()
+    if own is not None:
+        set_vocab_map(deeper, np.asarray(own))
+    return deeper
