@@ -305,10 +305,9 @@ def _compute_dtype() -> str:
 _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "add_layers",
               "resume_torchspec", "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len",
               "num_anchors", "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
-              "compute_dtype",
-              "seed", "save_every", "log_every", "keep_exports", "warm_start", "lr_schedule", "eval_every", "eval_num_prompts",
-              "eval_offset", "eval_prompts_file", "eval_max_new_tokens", "eval_batch_size", "draft_vocab",
-              "cpu_budget", "time_budget"}
+              "compute_dtype", "seed", "save_every", "log_every", "keep_exports", "warm_start", "lr_schedule",
+              "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file", "eval_max_new_tokens",
+              "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget"}
 
 
 if __name__ == "__main__":
