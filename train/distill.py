@@ -66,7 +66,8 @@ flags.DEFINE_float("teacher_timeout", None, "Seconds to wait for a live teacher 
 flags.DEFINE_string("draft_config", None, "Draft config.json (default: --init_from's).")
 flags.DEFINE_string("init_from", None, "Start from this torch-layout draft directory.")
 flags.DEFINE_integer("add_layers", 0, "With --init_from: that draft with this many more decoder layers, each "
-                     "a copy of its last with zero o_proj/down_proj (drafts as before until trained).")
+                     "a copy of its last with zero o_proj/down_proj (drafts as before until trained).",
+                     lower_bound=0)
 flags.DEFINE_string("resume_torchspec", None, "TorchSpec checkpoint_N.pt (or a dir holding training_checkpoint/).")
 flags.DEFINE_string("run_dir", None, "Checkpoints, metrics.jsonl, tb/, export/.")
 flags.DEFINE_integer("total_steps", None, "Optimizer steps (default: --epochs over the data).")
