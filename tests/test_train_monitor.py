@@ -293,7 +293,7 @@ def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_
     run_dir = tmp_path / "run"
     cmd = base + [f"--run_dir={run_dir}", "--total_steps=2", "--save_every=100", "--warm_start",
                   "--lr_schedule=constant", "--eval_every=2", f"--eval_prompts_file={tmp_path / 'heldout.jsonl'}",
-                  "--eval_max_new_tokens=8"]
+                  "--eval_max_new_tokens=8", "--ce_weight=1.0", "--l1_weight=0.0"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "warm start: 11 tensors copied from the target" in res.stdout
@@ -302,8 +302,11 @@ def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_
     assert [r["step"] for r in rows] == [0, 2]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["lr"] for m in metrics] == pytest.approx([1e-3, 1e-3])          # warmup of 1 step, then constant
+    for m in metrics:                    # --ce_weight 1 --l1_weight 0: the loss is CE + BCE, no L1 in it
+        assert m["l1"] > 0.1 and m["loss"] == pytest.approx(m["ce"] + m["bce"], rel=1e-5)
     flags = json.loads((run_dir / "flags.json").read_text())
     assert flags["warm_start"] is True and flags["lr_schedule"] == "constant" and flags["eval_every"] == 2
+    assert flags["ce_weight"] == 1.0 and flags["l1_weight"] == 0.0
     assert _is_png(run_dir / monitor.CURVE_FILE)
     bad = subprocess.run(cmd + [f"--init_from={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)

@@ -78,6 +78,10 @@ flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are trunc
 flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
+flags.DEFINE_float("ce_weight", 0.1, "Weight of the hard-label cross-entropy term (spec: 0.1).", lower_bound=0.0)
+flags.DEFINE_float("l1_weight", 0.9, "Weight of the L1 (2 x total variation) term (spec: 0.9). Greedy acceptance "
+                   "needs only the argmax to agree, which CE trains directly; L1 matches the whole "
+                   "distribution, which sampling at T > 0 needs.", lower_bound=0.0)
 flags.DEFINE_string("draft_vocab", None, "vocab.json of `python -m train.vocab`: train the draft over these K "
                     "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, that draft "
                     "moved to them (its Markov rows for the ids it holds, zero for the rest).")
@@ -218,7 +222,8 @@ def main(argv: list[str]) -> None:
         eval_every=FLAGS.eval_every, keep_exports=FLAGS.keep_exports,
         # the per-checkpoint export reads every parameter on the host: multi-host exports once, below
         export=not settings.multi_process,
-        loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma))
+        loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma,
+                                  ce_weight=FLAGS.ce_weight, l1_weight=FLAGS.l1_weight))
     trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=init_draft, log=log)
     if FLAGS.resume_torchspec and trainer.manager.latest_step() is None:
         names = set(trainer_lib.flat_names(trainer.state.params))
@@ -305,10 +310,10 @@ def _compute_dtype() -> str:
 
 _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "add_layers",
               "resume_torchspec", "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len",
-              "num_anchors", "block_size", "gamma", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
-              "compute_dtype", "seed", "save_every", "log_every", "keep_exports", "warm_start", "lr_schedule",
-              "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file", "eval_max_new_tokens",
-              "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget"}
+              "num_anchors", "block_size", "gamma", "ce_weight", "l1_weight", "lr", "warmup_frac", "min_lr_frac",
+              "clip", "weight_decay", "compute_dtype", "seed", "save_every", "log_every", "keep_exports",
+              "warm_start", "lr_schedule", "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file",
+              "eval_max_new_tokens", "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget"}
 
 
 if __name__ == "__main__":
