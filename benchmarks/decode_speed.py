@@ -138,7 +138,8 @@ def main(argv):
             row[f"{name}_ms_per_step_outside"] = 1e3 * (elapsed - steps.seconds) / max(steps.steps, 1)
             if d is not None:
                 row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
-                row[f"{name}_drafts_verified_per_step"] = stats["total_draft_tokens"] / max(stats["num_verify_steps"], 1)
+                row[f"{name}_drafts_verified_per_step"] = (stats["total_draft_tokens"]
+                                                           / max(stats["num_verify_steps"], 1))
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         # this VM's speed drifts by tens of percent within minutes, and the best rounds of two
         # variants may come from different spells: the ratio within each round (the variants run

@@ -332,7 +332,8 @@ def programs(eng, b: int, t: int, context: int):
         "step(1)": (eng.step_jit, lambda c: (eng.t_state, eng.d_state, x0, jnp.ones((b, 0), jnp.int32), lens,
                                              active, ml, c, key), {"span": span, "serving": eng.serving}),
         f"verify({t + 1})": (eng.step_jit, lambda c: (eng.t_state, eng.d_state, x0, jnp.ones((b, t), jnp.int32),
-                                                      lens, active, ml, c, key), {"span": span, "serving": eng.serving}),
+                                                      lens, active, ml, c, key),
+                             {"span": span, "serving": eng.serving}),
         "draft": (eng.propose_jit, lambda c: (eng.t_state, eng.d_state, x0, lens, c, key),
                   {"span": span, "serving": eng.serving, "draft_head": eng.draft_head}),
     }
@@ -483,7 +484,8 @@ def main(argv):
                 print(f"\nbatch {b} {v} {n}: top ops " + ", ".join(f"{o['op']}[{o['group']}] {o['ms']:.2f}"
                                                                   for o in r["top_ops"][:8]))
     if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps({"info": info, "results": results, "ratios": ratios, "table": table}, indent=2))
+        Path(_JSON.value).write_text(json.dumps({"info": info, "results": results, "ratios": ratios, "table": table},
+                                                indent=2))
 
 
 if __name__ == "__main__":

@@ -203,7 +203,8 @@ def main(argv: list[str]) -> None:
         source = trainer_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
         log(f"{len(samples)} samples from {FLAGS.data}")
     else:
-        stream = teacher.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout, log=log)
+        stream = teacher.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout,
+                                     log=log)
         if tuple(stream.meta.aux_layer_ids) != tuple(draft_cfg.target_layer_ids):
             raise app.UsageError(f"{FLAGS.teacher_dir}: aux layers {stream.meta.aux_layer_ids} != the draft's "
                                  f"target_layer_ids {list(draft_cfg.target_layer_ids)}")
@@ -231,7 +232,8 @@ def main(argv: list[str]) -> None:
         params, opt_state = torchspec.to_train_state(ts, trainer.state.params, trainer.tx)
         trainer.set_state(params, opt_state, ts.step)
         trainer.save({"data_position": source.position, "step": ts.step, "from_torchspec": str(FLAGS.resume_torchspec)})
-        log(f"converted TorchSpec checkpoint {FLAGS.resume_torchspec} (step {ts.step}) into {FLAGS.run_dir}/checkpoints")
+        log(f"converted TorchSpec checkpoint {FLAGS.resume_torchspec} (step {ts.step}) "
+            f"into {FLAGS.run_dir}/checkpoints")
     log(f"training {total} steps: global batch {cfg.global_batch} = {cfg.accum_steps} x {cfg.micro_batch}, "
         f"max_len {cfg.max_len}, {cfg.loss.num_anchors} anchors, {'online' if online else 'offline'} teacher, "
         f"{len(jax.devices())} device(s), compute {cfg.compute_dtype}")

@@ -72,7 +72,8 @@ def frozen_tables(target) -> tuple[jax.Array, jax.Array]:
     return embed, head
 
 
-def pad_batch(samples: Sequence[Sample], max_len: int, batch: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_batch(samples: Sequence[Sample], max_len: int,
+              batch: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Right-padded (input_ids int32, loss_mask bool, valid bool), each [batch, max_len]; rows
     past len(samples) are empty (all padding)."""
     b = batch or len(samples)

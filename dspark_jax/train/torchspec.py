@@ -66,7 +66,8 @@ def find_checkpoint(path: str | Path) -> Path:
     if path.is_file():
         return path
     for d in (path, path / "training_checkpoint"):
-        found = [(int(m.group(1)), f) for f in d.glob("checkpoint_*.pt") if (m := re.fullmatch(r"checkpoint_(\d+)\.pt", f.name))]
+        found = [(int(m.group(1)), f) for f in d.glob("checkpoint_*.pt")
+                 if (m := re.fullmatch(r"checkpoint_(\d+)\.pt", f.name))]
         if found:
             return max(found)[1]
     raise TorchSpecError(f"{path}: no checkpoint_N.pt (looked in it and in training_checkpoint/)")
