@@ -4,10 +4,13 @@
     python -m benchmarks.acceptance --drafts runs/demo/smollm2-135m-dspark,runs/demo/smollm2-135m-dflash-ablation \
         --gsm8k 60 --mt_bench 20 --output_json runs/demo/acceptance.json
 
-T=0, chat template on, MT-Bench first turns only. Prompts run in batches through `generate()`:
-greedy speculative output equals the target's own greedy output token for token, so tok/fwd
-does not depend on the batch size (the server's concurrency-1 figure is the same number; the
-`serve.bench` card table measures it that way). `untrained` is a random draft of the demo config.
+T=0 by default, chat template on, MT-Bench first turns only. Prompts run in batches through
+`generate()`: greedy speculative output equals the target's own greedy output token for token, so
+tok/fwd does not depend on the batch size (the server's concurrency-1 figure is the same number; the
+`serve.bench` card table measures it that way). `--temperature T` samples instead (rejection
+sampling keeps the target's distribution; the draws come from `--seed`, so a run repeats exactly at
+the same `--batch_size`), where a draft token is accepted with probability min(1, p/q) rather than
+when the argmaxes agree. `untrained` is a random draft of the demo config.
 "in draft vocab" is the fraction of the generated tokens a reduced-vocabulary draft could propose
 at all (its kept ids; 100 % at full vocabulary): a ceiling on what any training of it accepts.
 """
@@ -28,6 +31,8 @@ _MT = flags.DEFINE_integer("mt_bench", 20, "MT-Bench first turns (the first N qu
 _NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt.", lower_bound=1)
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step.", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Prompts per generate() call.", lower_bound=1)
+_TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).", lower_bound=0.0)
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (with --temperature > 0).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
 
@@ -64,7 +69,7 @@ def main(argv):
             t0 = time.time()
             for i in range(0, len(prompts), _BATCH.value):
                 st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
-                              num_speculative_tokens=_T.value)
+                              num_speculative_tokens=_T.value, temperature=_TEMP.value, seed=_SEED.value)
                 produced += sum(len(o.token_ids) for o in st.outputs)
                 per_prompt += [o.stats["average_tokens_per_forward"] for o in st.outputs]
                 covered += sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in st.outputs)
@@ -90,7 +95,8 @@ def main(argv):
                                                   for n in names) + " |")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps({"model": _MODEL.value, "max_new_tokens": _NEW.value,
-                                                 "num_speculative_tokens": _T.value, "results": results}, indent=2))
+                                                 "num_speculative_tokens": _T.value, "temperature": _TEMP.value,
+                                                 "seed": _SEED.value, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
