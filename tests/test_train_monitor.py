@@ -311,6 +311,8 @@ def test_distill_flags_warm_start_constant_schedule_and_eval(pair, samples, tmp_
     bad = subprocess.run(cmd + [f"--init_from={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "cannot be combined with --init_from" in bad.stderr
+    bad = subprocess.run(cmd + ["--ce_weight=0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--ce_weight and --l1_weight are both 0" in bad.stderr
 
 
 def test_distill_trains_a_reduced_vocabulary_draft_and_pins_its_map(pair, samples, tmp_path):

@@ -117,6 +117,9 @@ flags.DEFINE_float("cpu_budget", None, "Stop (save, export) once the run's train
 flags.DEFINE_float("time_budget", None, "Stop (save, export) once this invocation's training loop has run this "
                    "many wall-clock seconds (a machine held for a fixed time).", lower_bound=1.0)
 flags.mark_flags_as_required(["run_dir"])
+flags.register_multi_flags_validator(
+    ["ce_weight", "l1_weight"], lambda f: f["ce_weight"] + f["l1_weight"] > 0,
+    "--ce_weight and --l1_weight are both 0: no term would train the draft's tokens")
 
 
 def main(argv: list[str]) -> None:
