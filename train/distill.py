@@ -18,6 +18,7 @@ moved to the kept rows (a reduced draft given a new vocabulary keeps its rows fo
 hold; ids it lacked start at zero); the file is copied to <run_dir>/vocab.json and a resume must
 give the same one (checkpoints hold parameters, not the map);
 --add_layers N deepens --init_from's draft by N layers that start as identities;
+--ce_weight / --l1_weight set the loss's mix of hard-label CE and L1 (spec: 0.1 / 0.9);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
@@ -78,10 +79,11 @@ flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are trunc
 flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
-flags.DEFINE_float("ce_weight", 0.1, "Weight of the hard-label cross-entropy term (spec: 0.1).", lower_bound=0.0)
-flags.DEFINE_float("l1_weight", 0.9, "Weight of the L1 (2 x total variation) term (spec: 0.9). Greedy acceptance "
-                   "needs only the argmax to agree, which CE trains directly; L1 matches the whole "
-                   "distribution, which sampling at T > 0 needs.", lower_bound=0.0)
+flags.DEFINE_float("ce_weight", loss_lib.LossConfig.ce_weight, "Weight of the hard-label cross-entropy term "
+                   "(default: the spec's).", lower_bound=0.0)
+flags.DEFINE_float("l1_weight", loss_lib.LossConfig.l1_weight, "Weight of the L1 (2 x total variation) term "
+                   "(default: the spec's). Greedy acceptance needs only the argmax to agree, which CE trains "
+                   "directly; L1 matches the whole distribution, which sampling at T > 0 needs.", lower_bound=0.0)
 flags.DEFINE_string("draft_vocab", None, "vocab.json of `python -m train.vocab`: train the draft over these K "
                     "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, that draft "
                     "moved to them (its Markov rows for the ids it holds, zero for the rest).")
