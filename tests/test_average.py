@@ -102,3 +102,38 @@ def test_trainer_keeps_its_last_exports_and_the_program_averages_them(target, tm
     assert missing.returncode != 0 and "--drafts: no draft directory at" in missing.stderr
     assert not (tmp_path / "avg2").exists()
     assert json.loads((tmp_path / "avg" / "config.json").read_text())["markov_rank"] == draft.cfg.raw["markov_rank"]
+
+
+def test_drafts_with_different_maps_average_once_moved_to_one_vocabulary(target, tmp_path):
+    """`draft_vocab` (`train.average --draft_vocab`): a full draft and a reduced one average on one
+    map; each is moved first (`remap_vocabulary`: the Markov rows of the ids it held, zero rows for
+    the others), then the mean rounded once. The program reads the map from a train.vocab file."""
+    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+    full = _save(target, 1, tmp_path / "full", kept=None)
+    reduced = _save(target, 2, tmp_path / "reduced")                  # KEPT: even ids and 95
+    new = sorted(set(range(0, 96, 3)) | {95})                          # shares some ids with KEPT
+    out = average_torch_drafts([full, reduced], tmp_path / "avg", draft_vocab=new)
+    got = load_draft(tmp_path / "avg", dtype=jnp.float32)
+    assert np.asarray(got.draft_token_ids()).tolist() == new
+    assert json.loads(out.config_bytes)["draft_vocab_size"] == len(new)
+    moved = [params_lib.flat_params(remap_vocabulary(load_draft(p, dtype=jnp.float32), np.asarray(new)))
+             for p in (full, reduced)]
+    w2 = np.asarray(moved[1]["markov_head.markov_w2.weight"].get_value())
+    lacked = [i for i, t in enumerate(new) if t not in KEPT]
+    assert lacked and not np.any(w2[lacked]) and np.any(w2)           # ids the reduced draft lacked: zero
+    for name, p in params_lib.flat_params(got).items():
+        want = sum(np.asarray(m[name].get_value(), np.float64) for m in moved) / 2
+        np.testing.assert_array_equal(np.asarray(p.get_value()), want.astype(ml_dtypes.bfloat16).astype(np.float32),
+                                      err_msg=name)
+    with pytest.raises(CheckpointError, match="ascending, distinct ids"):
+        average_torch_drafts([full], tmp_path / "bad", draft_vocab=[3, 2])
+    assert not (tmp_path / "bad").exists()
+    # the program: the same file, the map read from a vocabulary file (train.vocab's keys)
+    (tmp_path / "vocab.json").write_text(json.dumps({"draft_vocab_size": len(new), "token_ids": new}))
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-m", "train.average", f"--drafts={full},{reduced}",
+                          f"--draft_vocab={tmp_path / 'vocab.json'}", f"--out={tmp_path / 'avg_cli'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "each moved to a vocabulary of" in res.stdout
+    assert (tmp_path / "avg_cli" / "model.safetensors").read_bytes() == out.file.path.read_bytes()
