@@ -13,6 +13,15 @@ the same `--batch_size`), where a draft token is accepted with probability min(1
 when the argmaxes agree. `untrained` is a random draft of the demo config.
 "in draft vocab" is the fraction of the generated tokens a reduced-vocabulary draft could propose
 at all (its kept ids; 100 % at full vocabulary): a ceiling on what any training of it accepts.
+
+Is a draft better than another, or is it noise on 20 prompts? Each draft after the first gets its
+difference from the first with a paired bootstrap 95 % interval: the prompts resampled with
+replacement, the same ones for both drafts, each time the aggregate tok/fwd (accepted drafts over
+verify steps, summed over the prompts) of both. At T = 0 both drafts generate the target's own
+tokens, so the pairing leaves only the drafts' difference. `--compare A.json,B.json` does the same
+for results written by separate runs (for example one per core), without loading a model:
+
+    python -m benchmarks.acceptance --compare runs/demo/acceptance-v23.json,runs/demo/acceptance-new.json
 """
 
 from __future__ import annotations
@@ -35,10 +44,75 @@ _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (with --temperature > 0).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
+_COMPARE = flags.DEFINE_list("compare", None, "Result files (--output_json) to compare, the first as the "
+                             "baseline; loads no model.")
+_BOOT = 2000
+
+
+def paired_difference(base: dict, other: dict, *, samples: int = _BOOT, seed: int = 0) -> tuple[float, float, float]:
+    """`other`'s aggregate tok/fwd minus `base`'s on one benchmark, and a paired bootstrap 95 %
+    interval of it over the prompts (both rows from the same prompts, in the same order)."""
+    import numpy as np
+
+    steps = [np.asarray(r["per_prompt_verify_steps"], np.float64) for r in (base, other)]
+    acc = [np.asarray(r["per_prompt_accepted"], np.float64) for r in (base, other)]
+    n = steps[0].size
+    if n == 0 or any(x.size != n for x in (*steps, *acc)):
+        raise ValueError(f"paired_difference: {n} and {steps[1].size} prompts; the rows must hold the same prompts")
+    diff = (acc[1].sum() / steps[1].sum()) - (acc[0].sum() / steps[0].sum())
+    idx = np.random.default_rng(seed).integers(0, n, size=(samples, n))
+    boot = acc[1][idx].sum(1) / steps[1][idx].sum(1) - acc[0][idx].sum(1) / steps[0][idx].sum(1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(diff), float(lo), float(hi)
+
+
+def _print_table(results: list[dict], names: list[str]) -> None:
+    print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
+    for row in results:
+        print(f"| {row['draft']} | " + " | ".join(f"{row[n]['tok_per_fwd']:.3f} | {row[n]['draft_vocab_coverage']:.1%}"
+                                                  for n in names) + " |")
+    if len(results) < 2:
+        return
+    print(f"\n| draft - {results[0]['draft']} | " + " | ".join(f"{n} (paired bootstrap 95 %)" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in results[1:]:
+        cells = []
+        for n in names:
+            d, lo, hi = paired_difference(results[0][n], row[n])
+            cells.append(f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        print(f"| {row['draft']} | " + " | ".join(cells) + " |")
+
+
+def _compare(files: list[str]) -> None:
+    docs = []
+    for f in files:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            raise app.UsageError(f"--compare {f}: {e}") from None
+    results = [row for d in docs for row in d["results"]]
+    names = [n for n in results[0] if n != "draft" and all(n in r for r in results)]
+    for f, d in zip(files, docs):
+        for row in d["results"]:
+            for n in names:
+                if "per_prompt_verify_steps" not in row[n]:
+                    raise app.UsageError(f"--compare {f}: {row['draft']} {n} has no per_prompt_verify_steps "
+                                         f"(written before the benchmark recorded it); rerun it")
+                if row[n]["prompts"] != results[0][n]["prompts"]:
+                    raise app.UsageError(f"--compare {f}: {n} has {row[n]['prompts']} prompts, {files[0]} "
+                                         f"{results[0][n]['prompts']}")
+    settings = {(d["model"], d["max_new_tokens"], d["num_speculative_tokens"], d.get("temperature", 0.0))
+                for d in docs}
+    if len(settings) > 1:
+        raise app.UsageError(f"--compare: the files differ in model, max_new_tokens, drafts or temperature: {settings}")
+    _print_table(results, names)
 
 
 def main(argv):
     del argv
+    if _COMPARE.value:
+        return _compare(_COMPARE.value)
     import jax.numpy as jnp
     import numpy as np
 
@@ -66,12 +140,15 @@ def main(argv):
             steps_n = accepted = drafted = produced = covered = 0
             at_pos = [0.0] * _T.value           # drafts accepted at position k, summed over calls
             per_prompt = []                     # each prompt's tok/fwd: where the draft fails
+            per_steps, per_accepted = [], []    # and its counts, for paired comparisons
             t0 = time.time()
             for i in range(0, len(prompts), _BATCH.value):
                 st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
                               num_speculative_tokens=_T.value, temperature=_TEMP.value, seed=_SEED.value)
                 produced += sum(len(o.token_ids) for o in st.outputs)
                 per_prompt += [o.stats["average_tokens_per_forward"] for o in st.outputs]
+                per_steps += [o.stats["num_verify_steps"] for o in st.outputs]
+                per_accepted += [o.stats["total_accepted_tokens"] for o in st.outputs]
                 covered += sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in st.outputs)
                 st = st.stats
                 steps_n += st["num_verify_steps"]
@@ -85,14 +162,10 @@ def main(argv):
                          "acceptance_rate": accepted / drafted,
                          "draft_vocab_coverage": covered / produced,
                          "per_position_acceptance": [a / steps_n for a in at_pos],
-                         "per_prompt_tok_per_fwd": per_prompt}
+                         "per_prompt_tok_per_fwd": per_prompt, "per_prompt_verify_steps": per_steps,
+                         "per_prompt_accepted": per_accepted}
         results.append(row)
-    names = list(sets)
-    print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")
-    print("|---|" + "---|---|" * len(names))
-    for row in results:
-        print(f"| {row['draft']} | " + " | ".join(f"{row[n]['tok_per_fwd']:.3f} | {row[n]['draft_vocab_coverage']:.1%}"
-                                                  for n in names) + " |")
+    _print_table(results, list(sets))
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps({"model": _MODEL.value, "max_new_tokens": _NEW.value,
                                                  "num_speculative_tokens": _T.value, "temperature": _TEMP.value,

@@ -1,5 +1,6 @@
 """benchmarks.acceptance on the real target and the shipped draft (a few prompts, few tokens): the
-JSON's aggregate tok/fwd, per position and per prompt agree with each other."""
+JSON's aggregate tok/fwd, per position and per prompt agree with each other; the paired comparison
+of two drafts' results (`--compare`) on rows made here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.acceptance import paired_difference
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -38,6 +44,11 @@ def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, tmp_path)
         # the aggregate is a mean over all verify steps: between the prompts' own figures
         assert min(per) - 1e-9 <= r["tok_per_fwd"] <= max(per) + 1e-9
         assert abs(r["tok_per_fwd"] - (1 + sum(r["per_position_acceptance"]))) < 1e-9
+        # the per-prompt counts add up to the aggregate, and give each prompt's own figure
+        steps, acc = r["per_prompt_verify_steps"], r["per_prompt_accepted"]
+        assert sum(steps) == r["num_verify_steps"]
+        assert abs(r["tok_per_fwd"] - (1 + sum(acc) / sum(steps))) < 1e-9
+        assert all(abs(x - (1 + a / s)) < 1e-9 for x, a, s in zip(per, acc, steps))
     assert "| smollm2-135m-dspark |" in stdout
 
 
@@ -47,3 +58,46 @@ def test_acceptance_samples_at_a_temperature(smollm2_dir, tmp_path):
     r = got["results"][0]["gsm8k"]
     assert len(r["per_prompt_tok_per_fwd"]) == 2
     assert abs(r["tok_per_fwd"] - (1 + sum(r["per_position_acceptance"]))) < 1e-9
+
+
+def _row(steps, accepted) -> dict:
+    return {"prompts": len(steps), "tok_per_fwd": 1 + sum(accepted) / sum(steps), "draft_vocab_coverage": 1.0,
+            "per_prompt_verify_steps": list(steps), "per_prompt_accepted": list(accepted)}
+
+
+def test_paired_difference_of_two_drafts_on_the_same_prompts():
+    base = _row([10, 20, 30, 40], [5, 10, 15, 20])
+    assert paired_difference(base, base) == (0.0, 0.0, 0.0)
+    # one more accepted draft per ten verify steps on every prompt: +0.1 whichever prompts are drawn
+    d, lo, hi = paired_difference(base, _row([10, 20, 30, 40], [6, 12, 18, 24]))
+    assert d == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
+    # better on some prompts, worse on others: an interval around the difference that holds 0
+    rng = np.random.default_rng(0)
+    steps = rng.integers(50, 100, 20)
+    a, b = (np.minimum(steps, (steps * rng.uniform(0.5, 1.0, 20)).astype(int)) for _ in range(2))
+    d, lo, hi = paired_difference(_row(steps, a), _row(steps, b))
+    assert d == pytest.approx(b.sum() / steps.sum() - a.sum() / steps.sum())
+    assert lo < d < hi and lo < 0 < hi
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_difference(base, _row([10, 20], [5, 10]))
+
+
+def test_compare_reads_separate_result_files_without_a_model(tmp_path):
+    def write(name, rows):
+        doc = {"model": "m", "max_new_tokens": 128, "num_speculative_tokens": 7, "temperature": 0.0, "seed": 0,
+               "results": [{"draft": name, "gsm8k": rows[0], "mt_bench_turn1": rows[1]}]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        return str(tmp_path / f"{name}.json")
+    a = write("a", [_row([10, 20], [5, 10]), _row([10, 10], [2, 4])])
+    b = write("b", [_row([10, 20], [6, 12]), _row([10, 10], [2, 4])])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.acceptance", f"--compare={a},{b}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| b | +0.100 [+0.100, +0.100] | +0.000 [+0.000, +0.000] |" in res.stdout
+    doc = json.loads(Path(a).read_text())
+    del doc["results"][0]["gsm8k"]["per_prompt_verify_steps"]
+    Path(a).write_text(json.dumps(doc))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.acceptance", f"--compare={a},{b}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0 and "has no per_prompt_verify_steps" in res.stderr
