@@ -47,7 +47,7 @@ def move_to_vocabulary(src: str | Path, target_ids: Sequence[int], dst: str | Pa
     raw = json.loads(open_torch_draft(src).config_bytes)
     vocab = int(raw["vocab_size"])
     if ids.ndim != 1 or not 0 < ids.size < vocab or np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= vocab:
-        raise CheckpointError(f"{Path(src) / CONFIG_FILE}: a draft vocabulary must be 1 to {vocab - 1} ascending, "
+        raise CheckpointError(f"{src}: the draft vocabulary to move it to must be 1 to {vocab - 1} ascending, "
                               f"distinct ids below its vocab_size {vocab}; got {ids.size} ids")
     moved = remap_vocabulary(load_draft(src), ids)
     return save_torch_draft(moved, {**raw, "draft_vocab_size": int(ids.size)}, dst)
