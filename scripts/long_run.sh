@@ -6,7 +6,8 @@
 # trains for TIME_BUDGET seconds (train.distill --time_budget: at the first step past it the run
 # saves and exports), then writes each run's mean of its last AVG exports ($RUN/$NAME<run>-last$AVG)
 # and the mean of those means and START ($RUN/$NAME-soup). With ACCEPT=1 benchmarks.acceptance then
-# measures the soup (one core) and the soup of the run means alone (the other core).
+# measures the soup (one core) and the soup of the run means alone (the other core). TRAIN=0 skips
+# the training (the means, soups and ACCEPT from the exports there are).
 # Sequences seen add up from session to session: rerun the same command (`nohup scripts/long_run.sh
 # > runs/demo/long_run.log 2>&1 &`); each run's eval.jsonl and learning_curve.png carry the whole
 # curve (held-out tok/fwd vs sequences seen).
@@ -26,6 +27,7 @@ TOTAL=${TOTAL:-3000}                                # the runs' length in steps 
 TIME_BUDGET=${TIME_BUDGET:-7200}                    # training seconds per invocation
 AVG=${AVG:-5}
 ACCEPT=${ACCEPT:-0}
+TRAIN=${TRAIN:-1}
 
 if [ -z "$DATA" ]; then
     [ -s "$RUN/data-s22.txt" ] || { echo "missing $RUN/data-s22.txt: run scripts/demo_data.sh first (or set DATA=)"; exit 1; }
@@ -40,25 +42,28 @@ for name_lr_seed in $RUNS; do
     fi
 done
 
-core=0
-pids=()
-for name_lr_seed in $RUNS; do
-    IFS=: read -r name lr seed <<< "$name_lr_seed"
-    dir=$RUN/distill-$NAME$name
-    echo "[long_run] run $name: lr $lr seed $seed core $core -> $dir ($dir.log)"
-    taskset -c $core python -m train.distill --target smollm2-135m --target_dtype bfloat16 \
-        --init_from "$START" --draft_vocab "$VOCAB" --data "$DATA" --run_dir "$dir" \
-        --total_steps "$TOTAL" --lr "$lr" --seed "$seed" --lr_schedule constant --warmup_frac 0.01 \
-        --global_batch 16 --micro_batch 4 --max_len 512 --num_anchors 128 --clip 1.0 \
-        --compute_dtype bfloat16 --save_every 10 --log_every 1 --keep_exports "$AVG" \
-        --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50 \
-        --time_budget "$TIME_BUDGET" >> "$dir.log" 2>&1 &
-    pids+=($!)
-    core=$(( (core + 1) % $(nproc) ))
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-[ $status = 0 ] || { echo "[long_run] a run failed: see its log"; exit 1; }
+train() {
+    core=0
+    pids=()
+    for name_lr_seed in $RUNS; do
+        IFS=: read -r name lr seed <<< "$name_lr_seed"
+        dir=$RUN/distill-$NAME$name
+        echo "[long_run] run $name: lr $lr seed $seed core $core -> $dir ($dir.log)"
+        taskset -c $core python -m train.distill --target smollm2-135m --target_dtype bfloat16 \
+            --init_from "$START" --draft_vocab "$VOCAB" --data "$DATA" --run_dir "$dir" \
+            --total_steps "$TOTAL" --lr "$lr" --seed "$seed" --lr_schedule constant --warmup_frac 0.01 \
+            --global_batch 16 --micro_batch 4 --max_len 512 --num_anchors 128 --clip 1.0 \
+            --compute_dtype bfloat16 --save_every 10 --log_every 1 --keep_exports "$AVG" \
+            --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50 \
+            --time_budget "$TIME_BUDGET" >> "$dir.log" 2>&1 &
+        pids+=($!)
+        core=$(( (core + 1) % $(nproc) ))
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    [ $status = 0 ] || { echo "[long_run] a run failed: see its log"; exit 1; }
+}
+[ "$TRAIN" = 0 ] || train
 
 means=()
 for name_lr_seed in $RUNS; do
@@ -66,7 +71,8 @@ for name_lr_seed in $RUNS; do
     mean=$RUN/$NAME${name_lr_seed%%:*}-last$AVG
     rm -rf "$mean"
     python -m train.average --drafts "$dir/export/step_*" --last "$AVG" --out "$mean"
-    tail -n 1 "$dir/metrics.jsonl" | python -c 'import json,sys; m=json.load(sys.stdin); print(f"[long_run] {sys.argv[1]}: step {m[\"step\"]}, loss {m[\"loss\"]:.4f}")' "$dir"
+    tail -n 1 "$dir/metrics.jsonl" | python -c 'import json, sys; m = json.load(sys.stdin)
+print("[long_run] %s: step %d, loss %.4f" % (sys.argv[1], m["step"], m["loss"]))' "$dir"
     means+=("$mean")
 done
 rm -rf "$RUN/$NAME-soup" "$RUN/$NAME-means"
