@@ -32,6 +32,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from dspark_jax.stats import paired_difference
+
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target directory or preset.")
 _DRAFTS = flags.DEFINE_list("drafts", ["smollm2-135m-dspark", "untrained"],
                             "Drafts: directories, presets, or `untrained[:CONFIG.json]`.")
@@ -46,26 +48,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target 
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
 _COMPARE = flags.DEFINE_list("compare", None, "Result files (--output_json) to compare, the first as the "
                              "baseline; loads no model.")
-_BOOT = 2000
-
-
-def paired_difference(base: dict, other: dict, *, samples: int = _BOOT, seed: int = 0) -> tuple[float, float, float]:
-    """`other`'s aggregate tok/fwd minus `base`'s on one benchmark, and a paired bootstrap 95 %
-    interval of it over the prompts (both rows from the same prompts, in the same order)."""
-    import numpy as np
-
-    steps = [np.asarray(r["per_prompt_verify_steps"], np.float64) for r in (base, other)]
-    acc = [np.asarray(r["per_prompt_accepted"], np.float64) for r in (base, other)]
-    n = steps[0].size
-    if n == 0 or any(x.size != n for x in (*steps, *acc)):
-        raise ValueError(f"paired_difference: {n} and {steps[1].size} prompts; the rows must hold the same prompts")
-    diff = (acc[1].sum() / steps[1].sum()) - (acc[0].sum() / steps[0].sum())
-    idx = np.random.default_rng(seed).integers(0, n, size=(samples, n))
-    boot = acc[1][idx].sum(1) / steps[1][idx].sum(1) - acc[0][idx].sum(1) / steps[0][idx].sum(1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(diff), float(lo), float(hi)
-
-
 def _print_table(results: list[dict], names: list[str]) -> None:
     print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")
     print("|---|" + "---|---|" * len(names))

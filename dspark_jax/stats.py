@@ -1,9 +1,11 @@
 """Speculative-decoding statistics in ATOM's /debug/mtp_stats schema (spec E.5), plus
-per-position acceptance."""
+per-position acceptance, and the paired comparison of two drafts' acceptance on the same prompts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -53,3 +55,18 @@ class SpecStats:
             # steps that ran without drafts (not verify steps: they count in none of the above)
             "num_plain_steps": self.plain_steps,
         }
+
+
+def paired_difference(base: dict, other: dict, *, samples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """`other`'s aggregate tok/fwd minus `base`'s on one benchmark, and a paired bootstrap 95 %
+    interval of it over the prompts (both rows from the same prompts, in the same order)."""
+    steps = [np.asarray(r["per_prompt_verify_steps"], np.float64) for r in (base, other)]
+    acc = [np.asarray(r["per_prompt_accepted"], np.float64) for r in (base, other)]
+    n = steps[0].size
+    if n == 0 or any(x.size != n for x in (*steps, *acc)):
+        raise ValueError(f"paired_difference: {n} and {steps[1].size} prompts; the rows must hold the same prompts")
+    diff = (acc[1].sum() / steps[1].sum()) - (acc[0].sum() / steps[0].sum())
+    idx = np.random.default_rng(seed).integers(0, n, size=(samples, n))
+    boot = acc[1][idx].sum(1) / steps[1][idx].sum(1) - acc[0][idx].sum(1) / steps[0][idx].sum(1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(diff), float(lo), float(hi)
