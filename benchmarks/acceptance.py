@@ -48,6 +48,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target 
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
 _COMPARE = flags.DEFINE_list("compare", None, "Result files (--output_json) to compare, the first as the "
                              "baseline; loads no model.")
+
+
 def _print_table(results: list[dict], names: list[str]) -> None:
     print("\n| draft | " + " | ".join(f"{n} tok/fwd | {n} in draft vocab" for n in names) + " |")
     print("|---|" + "---|---|" * len(names))
