@@ -18,6 +18,7 @@
 # v20 = stage 20: one run of STEPS20 steps, the mean of its last AVG20 exports, averaged with stage
 # 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
+# STAGES=29 gives stage 29's soup (the long run stopped at STOP29A/STOP29B), 26 stage 26's (neither shipped);
 # STAGES=22 gives v22 (the previous shipped draft), 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
 # 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
@@ -132,6 +133,12 @@ AVG22=${AVG22:-5}             # stage 22: the mean of the last AVG22 exports
 STEPS23A=${STEPS23A:-250}     # stage 23: run a's length in optimizer steps of 16 (peak lr 1e-4)
 STEPS23B=${STEPS23B:-200}     # stage 23: run b's length (peak lr 3e-4)
 AVG23=${AVG23:-5}             # stage 23: each run's mean of its last AVG23 exports
+STEPS26A=${STEPS26A:-400}     # stage 26: the schedule its first STOP26 steps ran on (cosine, peak lr 3e-4) ...
+STOP26=${STOP26:-150}
+STEPS26=${STEPS26:-340}       # ... and the one it then ran to its end on
+AVG26=${AVG26:-5}             # stage 26: the mean of its last AVG26 exports
+STOP29A=${STOP29A:-226}       # stage 29: the step run a (constant lr 1e-4) stops at ...
+STOP29B=${STOP29B:-240}       # ... and run b (constant lr 2e-4)
 ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
 STAGES=${STAGES:-23}
@@ -543,6 +550,37 @@ if [ "$STAGES" -ge 23 ]; then
     [ -d "$RUN/distill-$NAME-23-soup" ] || python -m train.average --drafts "$mean_a,$final,$start" \
         --out "$RUN/distill-$NAME-23-soup"
     final="$RUN/distill-$NAME-23-soup"
+fi
+
+# (5v) stage 26 (STAGES=26; README "Stage 26"): stage 23's draft moved to the 16,384-id vocabulary
+# ($RUN/vocab-s22-16384.json, scripts/demo_data.sh; the new ids' Markov rows zero), trained on stage
+# 25's data ($RUN/data-s25.txt: stage 23's plus the fourth writing pool twice), peak lr 3e-4, seed 47:
+# STOP26 steps of a STEPS26A-step cosine schedule, then on a STEPS26-step one to its end (how the
+# twenty-sixth session ran it); the mean of its last AVG26 exports averaged with stage 23's draft at
+# the same vocabulary.
+if [ "$STAGES" -ge 26 ]; then
+    start=$final vocab16=$RUN/vocab-s22-16384.json
+    for steps_stop in "$STEPS26A:$STOP26" "$STEPS26:$STEPS26"; do
+        lr=3e-4 schedule=cosine distill_on 26 "$(cat "$RUN/data-s25.txt")" "${steps_stop%:*}" "${steps_stop#*:}" \
+            bfloat16 47 --stop_at "${steps_stop#*:}" --draft_vocab "$vocab16" --keep_exports "$AVG26" \
+            --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50
+    done
+    mean26=$RUN/distill-$NAME-26/average-last$AVG26
+    [ -d "$mean26" ] || python -m train.average --drafts "$RUN/distill-$NAME-26/export/step_*" --last "$AVG26" \
+        --out "$mean26"
+    [ -d "$RUN/distill-$NAME-26-soup" ] || python -m train.average --drafts "$mean26,$start" --draft_vocab "$vocab16" \
+        --out "$RUN/distill-$NAME-26-soup"
+    final="$RUN/distill-$NAME-26-soup"
+fi
+
+# (5w) stage 29 (STAGES=29; README "Stage 29"): the long run, scripts/long_run.sh from stage 26's soup
+# (stage 22's data plus the fourth writing pool twice, 16,384 ids, constant lr after 30 warmup steps of
+# a 3,000-step schedule), run a stopped at step STOP29A and run b at STOP29B; the mean of each run's
+# last 5 exports, averaged with stage 26's soup.
+if [ "$STAGES" -ge 29 ]; then
+    RUN="$RUN" NAME="$NAME-29" START="$final" TIME_BUDGET= ACCEPT=0 \
+        RUNS="a:1e-4:51:$STOP29A b:2e-4:52:$STOP29B" scripts/long_run.sh
+    final="$RUN/$NAME-29-soup"
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)

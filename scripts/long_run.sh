@@ -14,6 +14,8 @@
 # curve (held-out tok/fwd vs sequences seen).
 # START (default: stage 26's soup at the 16,384-id vocabulary; README "Stage 26") is only read when
 # a run has no checkpoint yet.
+# A run named name:lr:seed:STEP in RUNS stops at that step (train.distill --stop_at) instead of by the
+# clock; with TIME_BUDGET= (empty) as well, scripts/demo_draft.sh's stage 29 repeats a run of known length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -23,9 +25,9 @@ NAME=${NAME:-s29}
 START=${START:-$RUN/s26k16-soup}
 VOCAB=${VOCAB:-$RUN/vocab-s22-16384.json}           # scripts/demo_data.sh
 DATA=${DATA:-}                                      # default below: data-s22.txt + open4 twice
-RUNS=${RUNS:-"a:1e-4:51 b:2e-4:52"}                 # name:peak lr:seed, one core each in turn
+RUNS=${RUNS:-"a:1e-4:51 b:2e-4:52"}                 # name:peak lr:seed[:stop step], one core each in turn
 TOTAL=${TOTAL:-3000}                                # the runs' length in steps of 16 (sets the warmup)
-TIME_BUDGET=${TIME_BUDGET:-7200}                    # training seconds per invocation
+TIME_BUDGET=${TIME_BUDGET-7200}                     # training seconds per invocation (empty: no limit)
 AVG=${AVG:-5}
 ACCEPT=${ACCEPT:-0}
 TRAIN=${TRAIN:-1}
@@ -47,16 +49,19 @@ train() {
     core=0
     pids=()
     for name_lr_seed in $RUNS; do
-        IFS=: read -r name lr seed <<< "$name_lr_seed"
+        IFS=: read -r name lr seed stop <<< "$name_lr_seed"
         dir=$RUN/distill-$NAME$name
-        echo "[long_run] run $name: lr $lr seed $seed core $core -> $dir ($dir.log)"
+        limits=()
+        [ -z "$stop" ] || limits+=(--stop_at "$stop")
+        [ -z "$TIME_BUDGET" ] || limits+=(--time_budget "$TIME_BUDGET")
+        echo "[long_run] run $name: lr $lr seed $seed core $core ${limits[*]} -> $dir ($dir.log)"
         taskset -c $core python -m train.distill --target smollm2-135m --target_dtype bfloat16 \
             --init_from "$START" --draft_vocab "$VOCAB" --data "$DATA" --run_dir "$dir" \
             --total_steps "$TOTAL" --lr "$lr" --seed "$seed" --lr_schedule constant --warmup_frac 0.01 \
             --global_batch 16 --micro_batch 4 --max_len 512 --num_anchors 128 --clip 1.0 \
             --compute_dtype bfloat16 --save_every 10 --log_every 1 --keep_exports "$AVG" \
             --eval_prompts_file "$RUN/heldout-magpie-8.jsonl" --eval_every 50 \
-            --time_budget "$TIME_BUDGET" >> "$dir.log" 2>&1 &
+            "${limits[@]}" >> "$dir.log" 2>&1 &
         pids+=($!)
         core=$(( (core + 1) % $(nproc) ))
     done

@@ -113,6 +113,9 @@ flags.DEFINE_string("eval_prompts_file", None, "Held-out prompts JSONL instead o
 flags.DEFINE_integer("eval_max_new_tokens", 128, "Tokens generated per held-out prompt.", lower_bound=1)
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out prompts per generate() call.", lower_bound=1)
 flags.DEFINE_integer("stop_after", None, "Stop after this many steps in this invocation (resume later).")
+flags.DEFINE_integer("stop_at", None, "Stop (save, export) at this step of the run: a constant-lr run's chosen "
+                     "length, below --total_steps (which sets the warmup); a rerun resumes there and trains no "
+                     "step.", lower_bound=1)
 flags.DEFINE_float("cpu_budget", None, "Stop (save, export) once the run's training steps have used this many "
                    "process CPU seconds in all (recorded per step in metrics.jsonl; evaluation not counted): "
                    "equal-CPU-time ablations.", lower_bound=1.0)
@@ -262,8 +265,8 @@ def main(argv: list[str]) -> None:
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
             f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
-    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, evaluator=evaluator, cpu_budget=FLAGS.cpu_budget,
-                    time_budget=FLAGS.time_budget)
+    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
+                    cpu_budget=FLAGS.cpu_budget, time_budget=FLAGS.time_budget)
     if settings.multi_process:
         _export_multihost(trainer, Path(FLAGS.run_dir), log)
     log("done")
@@ -320,7 +323,8 @@ _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "
               "num_anchors", "block_size", "gamma", "ce_weight", "l1_weight", "lr", "warmup_frac", "min_lr_frac",
               "clip", "weight_decay", "compute_dtype", "seed", "save_every", "log_every", "keep_exports",
               "warm_start", "lr_schedule", "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file",
-              "eval_max_new_tokens", "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget"}
+              "eval_max_new_tokens", "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget",
+              "stop_at"}
 
 
 if __name__ == "__main__":

@@ -441,10 +441,11 @@ def _cpu_seconds_so_far(path: Path) -> float:
     return last
 
 
-def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=None,
+def run(trainer: Trainer, source, *, stop_after: int | None = None, stop_at: int | None = None, evaluator=None,
         cpu_budget: float | None = None, time_budget: float | None = None) -> list[dict]:
-    """Train to `cfg.total_steps` (or `stop_after` more steps), resuming from the run dir's
-    latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
+    """Train to `cfg.total_steps` (or `stop_after` more steps, or to step `stop_at`: a
+    constant-lr run stopped at a chosen step, saved and exported there), resuming from the run
+    dir's latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
     {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps.
 
     Every step records its process CPU seconds (all threads; evaluation excluded) and the run's
@@ -478,6 +479,8 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
             _evaluate(trainer, evaluator, evals, tb, start, None, cpu_total)
     history = []
     end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
+    if stop_at is not None:
+        end = min(end, stop_at)
     t_start, last_saved = time.time(), start
     deadline = None if time_budget is None else t_start + time_budget
     if cpu_budget is not None and cpu_total >= cpu_budget:
@@ -515,7 +518,7 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, evaluator=No
             if evals is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.total_steps
                                       or over_budget):
                 _evaluate(trainer, evaluator, evals, tb, step + 1, m.get("tau_probabilistic"), cpu_total)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps or over_budget:
+            if (step + 1) % cfg.save_every == 0 or step + 1 in (end, cfg.total_steps) or over_budget:
                 trainer.save({"data_position": source.position, "step": step + 1})
                 last_saved = step + 1
                 if cfg.export:
