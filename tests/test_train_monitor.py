@@ -261,17 +261,16 @@ def test_time_budget_stops_with_a_checkpoint_and_export_and_a_rerun_continues(pa
 
 
 def test_stop_at_ends_a_constant_lr_run_at_that_step_and_a_rerun_trains_nothing(pair, samples, tmp_path):
-    """A run stopped at a chosen step (not a multiple of save_every) is saved and exported there
-    whatever steps it had already run; a rerun to the same step trains nothing; a later stop
-    continues it."""
+    """A run stopped at a chosen step (not a multiple of save_every) is saved and exported there;
+    a rerun to the same step restores it and trains nothing; a later stop continues it."""
     run_dir = tmp_path / "run"
-    trainer = _budget_trainer(pair, run_dir, total_steps=6, export=True, lr_schedule="constant")
-    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_after=1)] == [1]
-    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=3)] == [2, 3]
-    assert sorted(p.name for p in (run_dir / "export").iterdir())[-1] == "step_0000003"
+    trainer = _budget_trainer(pair, run_dir, total_steps=4, export=True, lr_schedule="constant")
+    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=2)] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "export").iterdir())[-1] == "step_0000002"
     again = trainer()
-    assert T.run(again, T.SampleSource(samples, 0), stop_at=3) == [] and int(again.state.step) == 3
-    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=5)] == [4, 5]
+    assert T.run(again, T.SampleSource(samples, 0), stop_at=2) == [] and int(again.state.step) == 2
+    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=3)] == [3]
+    assert sorted(p.name for p in (run_dir / "export").iterdir())[-1] == "step_0000003"
 
 
 # ---------------------------------------------------------------------------------------------
