@@ -10,16 +10,17 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v23: this script's output with the
-# defaults below (stage 23: two runs from v22 on this CPU, STEPS23A and STEPS23B steps, each the
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v29: this script's output with the
+# defaults below (stage 29: two constant-lr runs from stage 26's soup, stopped at STOP29A and STOP29B,
+# each the mean of its last 5 exports, averaged with that soup; stage 26: v23 moved to 16,384 ids and
+# trained, the mean of its last exports averaged with v23 at those ids; v23 = stage 23: two runs from v22 on this CPU, STEPS23A and STEPS23B steps, each the
 # mean of its last AVG23 exports, averaged with v22; v22 = stage 22: v21 trained STEPS22 steps on this
 # CPU, the mean of its last AVG22 exports averaged with v21; v21 = stage 21: v20 trained on a GPU,
 # STEPS21 steps of BATCH21 sequences, the lr decayed to 0, the mean of its last AVG21 exports;
 # v20 = stage 20: one run of STEPS20 steps, the mean of its last AVG20 exports, averaged with stage
 # 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=29 gives stage 29's soup (the long run stopped at STOP29A/STOP29B), 26 stage 26's (neither shipped);
-# STAGES=22 gives v22 (the previous shipped draft), 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
+# STAGES=26 gives stage 26's soup (not shipped), 23 v23 (the previous shipped draft), 22 v22, 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
 # 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -137,11 +138,11 @@ STEPS26A=${STEPS26A:-400}     # stage 26: the schedule its first STOP26 steps ra
 STOP26=${STOP26:-150}
 STEPS26=${STEPS26:-340}       # ... and the one it then ran to its end on
 AVG26=${AVG26:-5}             # stage 26: the mean of its last AVG26 exports
-STOP29A=${STOP29A:-226}       # stage 29: the step run a (constant lr 1e-4) stops at ...
-STOP29B=${STOP29B:-240}       # ... and run b (constant lr 2e-4)
+STOP29A=${STOP29A:-372}       # stage 29: the step run a (constant lr 1e-4) stops at ...
+STOP29B=${STOP29B:-385}       # ... and run b (constant lr 2e-4)
 ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
-STAGES=${STAGES:-23}
+STAGES=${STAGES:-29}
 for m in "$MAGPIE11" "$MAGPIE12"; do
     [ "$m" -le 2960 ] || { echo "MAGPIE11/12=$m: the Magpie pool's last 40 of 3,000 are held out (at most 2960)"; exit 2; }
 done
@@ -573,7 +574,7 @@ if [ "$STAGES" -ge 26 ]; then
     final="$RUN/distill-$NAME-26-soup"
 fi
 
-# (5w) stage 29 (STAGES=29; README "Stage 29"): the long run, scripts/long_run.sh from stage 26's soup
+# (5w) stage 29 (v29, STAGES=29; README "Stage 29"): the long run, scripts/long_run.sh from stage 26's soup
 # (stage 22's data plus the fourth writing pool twice, 16,384 ids, constant lr after 30 warmup steps of
 # a 3,000-step schedule), run a stopped at step STOP29A and run b at STOP29B; the mean of each run's
 # last 5 exports, averaged with stage 26's soup.
