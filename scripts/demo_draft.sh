@@ -561,6 +561,7 @@ fi
 # the same vocabulary.
 if [ "$STAGES" -ge 26 ]; then
     start=$final vocab16=$RUN/vocab-s22-16384.json
+    # --stop_at beside distill_on's --stop_after: a rerun after an interruption stops at the same step
     for steps_stop in "$STEPS26A:$STOP26" "$STEPS26:$STEPS26"; do
         lr=3e-4 schedule=cosine distill_on 26 "$(cat "$RUN/data-s25.txt")" "${steps_stop%:*}" "${steps_stop#*:}" \
             bfloat16 47 --stop_at "${steps_stop#*:}" --draft_vocab "$vocab16" --keep_exports "$AVG26" \
