@@ -10,9 +10,10 @@
 # teacher: those answers' teacher states written once to shards, then STEPS3 steps streamed from
 # them = v2; (6) the torch-layout draft copied to $RUN/$NAME; (7) acceptance beside the untrained
 # draft. Outputs stay under runs/ (gitignored).
-# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v29: this script's output with the
+# The shipped draft (dspark_jax/drafts/smollm2-135m-dspark) is v31: this script's output with the
 # defaults below (stage 29: two constant-lr runs from stage 26's soup, stopped at STOP29A and STOP29B,
-# each the mean of its last 5 exports, averaged with that soup; stage 26: v23 moved to 16,384 ids and
+# the mean of the two runs' means of their last 5 exports (v29: stopped at 372 and 385, that mean
+# averaged with stage 26's soup, SOUP29=1); stage 26: v23 moved to 16,384 ids and
 # trained, the mean of its last exports averaged with v23 at those ids; v23 = stage 23: two runs from v22 on this CPU, STEPS23A and STEPS23B steps, each the
 # mean of its last AVG23 exports, averaged with v22; v22 = stage 22: v21 trained STEPS22 steps on this
 # CPU, the mean of its last AVG22 exports averaged with v21; v21 = stage 21: v20 trained on a GPU,
@@ -20,7 +21,7 @@
 # v20 = stage 20: one run of STEPS20 steps, the mean of its last AVG20 exports, averaged with stage
 # 19's draft;
 # stages 6-12 hold a constant lr and stop at STOPn of 900, so any step is a valid stop there).
-# STAGES=26 gives stage 26's soup (not shipped), 23 v23 (the previous shipped draft), 22 v22, 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
+# STAGES=29 STOP29A=372 STOP29B=385 SOUP29=1 gives v29 (the previous shipped draft), 26 stage 26's soup (not shipped), 23 v23, 22 v22, 21 v21, 20 v20, 19 v19, 18 v18, 17 v17, 16 v16, 15 v15, 14 v14, 13 v13,
 # 12 v12, 11 v11, 10 v10, 9 v9, 8 v8, 7 v7, 6 v6, STAGES=5 v5, STAGES=5 STOP5=210 v4, STAGES=4 STOP4=120 v3, STAGES=3 v2, 2 v1, 1 v0. Runs repeat the recipe,
 # not the bits: v0 was trained on the same 591 rows in the cache's completion order (the snapshot
 # holds them in pool order), and of v4/v5's 1,737 answers (v6's 2,400) the first 1,145 came from
@@ -138,8 +139,9 @@ STEPS26A=${STEPS26A:-400}     # stage 26: the schedule its first STOP26 steps ra
 STOP26=${STOP26:-150}
 STEPS26=${STEPS26:-340}       # ... and the one it then ran to its end on
 AVG26=${AVG26:-5}             # stage 26: the mean of its last AVG26 exports
-STOP29A=${STOP29A:-372}       # stage 29: the step run a (constant lr 1e-4) stops at ...
-STOP29B=${STOP29B:-385}       # ... and run b (constant lr 2e-4)
+STOP29A=${STOP29A:-606}       # stage 29: the step run a (constant lr 1e-4) stops at ...
+STOP29B=${STOP29B:-617}       # ... and run b (constant lr 2e-4); v29: STOP29A=372 STOP29B=385 SOUP29=1
+SOUP29=${SOUP29:-0}           # stage 29: 1 = the runs' means averaged with the start (soup), 0 = the means alone
 ROLE_OPENERS="Pretend you are,Act as a,Play the role of,Take on the role of,Imagine you are,You are a,Write an email,Write a blog post,Write a short story"
 OPENERS="Write,Compose,Draft,Craft,Describe,Imagine,Pretend,Act as,Create,Tell me a story,Edit,Rewrite"
 STAGES=${STAGES:-29}
@@ -575,14 +577,14 @@ if [ "$STAGES" -ge 26 ]; then
     final="$RUN/distill-$NAME-26-soup"
 fi
 
-# (5w) stage 29 (v29, STAGES=29; README "Stage 29"): the long run, scripts/long_run.sh from stage 26's soup
-# (stage 22's data plus the fourth writing pool twice, 16,384 ids, constant lr after 30 warmup steps of
-# a 3,000-step schedule), run a stopped at step STOP29A and run b at STOP29B; the mean of each run's
-# last 5 exports, averaged with stage 26's soup.
+# (5w) stage 29 (v31, STAGES=29; README "Stage 29"): the long run, scripts/long_run.sh from stage 26's
+# soup (stage 22's data plus the fourth writing pool twice, 16,384 ids, constant lr after 30 warmup
+# steps of a 3,000-step schedule), run a stopped at step STOP29A and run b at STOP29B; the mean of the
+# two runs' means of their last 5 exports (SOUP29=1: that mean averaged with stage 26's soup, as v29).
 if [ "$STAGES" -ge 29 ]; then
     RUN="$RUN" NAME="$NAME-29" START="$final" TIME_BUDGET= ACCEPT=0 \
         RUNS="a:1e-4:51:$STOP29A b:2e-4:52:$STOP29B" scripts/long_run.sh
-    final="$RUN/$NAME-29-soup"
+    if [ "$SOUP29" = 1 ]; then final="$RUN/$NAME-29-soup"; else final="$RUN/$NAME-29-means"; fi
 fi
 
 # (6) the final torch-layout draft (config.json + model.safetensors, bf16)

@@ -4,7 +4,7 @@
 # requests (Magpie, steered like the "open" pools: MT-Bench's writing first turns are the draft's
 # weakest, 1.66 tok/fwd against 1.92 for role-play with v21), the target's
 # answers to them (gpu_answers.sh, ANSWERS_S seconds, SAMPLE_S of them sampling), then distillation
-# from the shipped draft (v29) on stage 22's data, the fourth writing pool (answered on the CPU) and
+# from the shipped draft (v31) on stage 22's data, the fourth writing pool (answered on the CPU) and
 # those answers, both named twice (gpu_distill.sh,
 # the rest of BUDGET_S).
 # Inputs come in DATA_TAR, made here by `TAR=... scripts/demo_data.sh`: the snapshots and their

@@ -7,7 +7,7 @@
 # saves and exports), then writes each run's mean of its last AVG exports ($RUN/$NAME<run>-last$AVG)
 # and the mean of those means and START ($RUN/$NAME-soup). With ACCEPT=1 benchmarks.acceptance then
 # measures the soup (one core) and the soup of the run means alone (the other core), and compares
-# them with BASE_JSON (default $RUN/acceptance-v29.json, the shipped draft's) where it exists. TRAIN=0 skips
+# them with BASE_JSON (default $RUN/acceptance-v31.json, the shipped draft's) where it exists. TRAIN=0 skips
 # the training (the means, soups and ACCEPT from the exports there are).
 # Sequences seen add up from session to session: rerun the same command (`nohup scripts/long_run.sh
 # > runs/demo/long_run.log 2>&1 &`); each run's eval.jsonl and learning_curve.png carry the whole
@@ -96,7 +96,7 @@ if [ "$ACCEPT" = 1 ]; then
     done
     for pid in "${pids[@]}"; do wait "$pid"; done
     tail -n 3 "$RUN/acceptance-$NAME-soup.log" "$RUN/acceptance-$NAME-means.log"
-    base=${BASE_JSON:-$RUN/acceptance-v29.json}   # the shipped draft's results: paired intervals against it
+    base=${BASE_JSON:-$RUN/acceptance-v31.json}   # the shipped draft's results: paired intervals against it
     if [ -s "$base" ]; then
         python -m benchmarks.acceptance \
             --compare "$base,$RUN/acceptance-$NAME-soup.json,$RUN/acceptance-$NAME-means.json"
