@@ -1,30 +1,27 @@
 #!/usr/bin/env bash
-# Answer prompt pools on a lent GPU machine held for a fixed time: the target's greedy answers
-# (bf16, the served chat template, <= 256 new tokens), BATCH sequences at once (default 256), with
-# the target from `python -m benchmarks.gpu_payload pack`'s parts as in gpu_distill.sh. Each pool of
-# POOLS ("name:prompts.jsonl:archive_dir ...", the prompts built here and carried in DATA_TAR or
-# tracked) is answered into $WORK/regen-NAME.jsonl, restored first from its archive (committed
-# parts of 500), under `train.regen --time_budget`: the time left is shared equally by the pools
-# not yet answered, and a stop leaves each pool's first prompts answered. Then, per pool:
-#   - its archive's whole parts (all of them once the pool is answered) go into the tar (untar
-#     it in the repository and commit the parts: the next session resumes from them);
-#   - $WORK/answers-NAME.jsonl, the snapshot of the pool's longest head that the archive holds
-#     (`train.regen --snapshot_archived`: rebuilt later from the committed parts alone), stays on the
-#     machine for gpu_distill.sh's DATA in the same command (`&&`; the machine keeps ignored files
-#     between calls while it is held);
-#   - a line in $WORK/answers.jsonl (pool size, answered, archived, snapshot size, seconds).
+# Answer prompt pools on a GPU host within a fixed time (after `pip install -e '.[cuda]'` or
+# '.[rocm]'): the target's greedy answers (bf16, the served chat template, <= 256 new tokens),
+# BATCH sequences at once (default 256), the target TARGET (default the smollm2-135m preset). Each
+# pool of POOLS ("name:prompts.jsonl:archive_dir ...") is answered into $WORK/regen-NAME.jsonl,
+# restored first from its archive (parts of 500 answers, meant to be committed), under
+# `train.regen --time_budget`: the time left is shared equally by the pools not yet answered, and a
+# stop leaves each pool's first prompts answered. Then, per pool:
+#   - its archive's whole parts (all of them once the pool is answered) are in archive_dir (commit
+#     them: a later call resumes from them);
+#   - $WORK/answers-NAME.jsonl is the snapshot of the pool's longest head that the archive holds
+#     (`train.regen --snapshot_archived`: rebuilt later from the committed parts alone), the DATA
+#     of gpu_distill.sh;
+#   - a line in OUT/answers.jsonl (pool size, answered, archived, snapshot size, seconds).
 # Before them, SAMPLE="name:prompts.jsonl:archive_dir" first writes that pool: new chat requests
 # (train.magpie into MAGPIE_CACHE, restored from and archived to MAGPIE_ARCHIVE, MAGPIE_OPENERS,
 # BATCH at once) for SAMPLE_S seconds (at most SAMPLE_MAX more, default 20,000), then
 # `train.prompts --sources magpie` over the cache's accepted requests less MAGPIE_EXCLUDE (its
 # earlier pools, comma-separated) and their near duplicates, decontaminated against the benchmarks
-# (DSPARK_DATA_DIR or the data cache; AIME: the file AIME names, if any); the pool joins POOLS, the
-# Magpie archive the tar.
-# Everything returned is in one file, OUT/answers.tar (a device call returns 8 files at most):
-# the archives, $WORK/answers.jsonl and $WORK/gpu_answers.log.
+# (DSPARK_DATA_DIR or the data cache; AIME: the file AIME names, if any); the pool joins POOLS.
+# The log is OUT/gpu_answers.log.
 # Usage: scripts/gpu_answers.sh OUT_DIR BUDGET_S
-# Environment: POOLS and/or SAMPLE, BATCH, MAX_NEW_TOKENS, RESERVE (seconds kept for the snapshots
-# and the tar, default 30), DATA_TAR, TARGET (default: the payload's, by its preset name), WORK
+# Environment: POOLS and/or SAMPLE, BATCH, MAX_NEW_TOKENS, RESERVE (seconds kept at the end,
+# default 30), DATA_TAR (a tar of inputs extracted into the repository first), TARGET, WORK
 # (default runs/gpu-answers), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,8 +37,9 @@ MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 RESERVE=${RESERVE:-30}
 WORK=${WORK:-runs/gpu-answers}
 mkdir -p "$out" "$WORK"
-rm -f "$WORK/answers.jsonl"
-log="$WORK/gpu_answers.log"
+summary="$out/answers.jsonl"
+rm -f "$summary"
+log="$out/gpu_answers.log"
 : > "$log"
 say() { echo "[gpu_answers $(($(date +%s) - t0))s] $*" | tee -a "$log"; }
 . scripts/gpu_env.sh
@@ -51,7 +49,6 @@ regen() {   # name prompts archive, more train.regen flags
         --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH" --temperature 0 --archive "$3" "${@:4}"
 }
 
-archives=()
 if [ -n "$SAMPLE" ]; then
     IFS=: read -r name prompts archive <<< "$SAMPLE"
     : "${MAGPIE_CACHE:?}" "${MAGPIE_ARCHIVE:?}" "${SAMPLE_S:?SAMPLE_S: seconds of request sampling}"
@@ -70,7 +67,6 @@ if [ -n "$SAMPLE" ]; then
         ${MAGPIE_EXCLUDE:+--exclude_pool "$MAGPIE_EXCLUDE"} ${AIME:+--aime_file "$AIME"} --out "$prompts" \
         2>&1 | grep -E "removed|wrote|: [0-9]+ " | tee -a "$log"
     say "$name: $((first - before)) new requests; the pool is train.prompts --magpie_first $first over them"
-    archives+=("$MAGPIE_ARCHIVE")
     POOLS="$SAMPLE${POOLS:+ $POOLS}"
 fi
 n_left=$(wc -w <<< "$POOLS")
@@ -89,11 +85,9 @@ for spec in $POOLS; do
     total=$(wc -l < "$prompts")
     archived=$( (zcat "$archive"/part-*.jsonl.gz 2>/dev/null || true) | wc -l)
     head=$(wc -l < "$WORK/answers-$name.jsonl")
-    if [ "$archived" -gt 0 ]; then archives+=("$archive"); fi
     say "$name: $answered of $total answered in $((s1 - s0)) s, $archived archived, snapshot of the first $head"
     printf '{"name": "%s", "pool": %d, "answered": %d, "archived": %d, "snapshot": %d, "seconds": %d}\n' \
-        "$name" "$total" "$answered" "$archived" "$head" "$((s1 - s0))" >> "$WORK/answers.jsonl"
+        "$name" "$total" "$answered" "$archived" "$head" "$((s1 - s0))" >> "$summary"
 done
-touch "$WORK/answers.jsonl"
-say "done: $out/answers.tar"
-tar -cf "$out/answers.tar" "${archives[@]}" "$WORK/answers.jsonl" "$log"
+touch "$summary"
+say "done: $summary"

@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# Distil the demo draft on a lent GPU machine held for a fixed time (no network; its image has JAX,
-# Flax, Optax and Orbax): the target arrives as `python -m benchmarks.gpu_payload pack`'s parts (its
-# extras add the gguf and tensorboardX zips the image lacks), the answers as a tar of regen
-# snapshots. Several runs (RUNS) train at once on the one GPU, each a cosine run from INIT. Their
-# length is planned from a short probe of the first run alone to end inside BUDGET seconds, with
-# train.distill --time_budget as the backstop: the runs share the GPU, so a step of all of them is
-# taken to cost the probe's step times their number (H200: 0.09 s alone, 0.17-0.19 s two at once,
-# 64 sequences of 512 tokens). Probing all runs at once measures too little: their compilations end
-# tens of seconds apart, so their probe steps do not overlap. Each run's mean of its last AVG
-# exports comes back as model.safetensors cut into parts of at most 15 MiB (a device run returns
-# files of 16 MiB at most): `cat OUT/NAME/model.safetensors.part-* > model.safetensors`, check
-# OUT/summary.json's sha256; its "config" is the run's config.json.
+# Distil the demo draft on a GPU host within a fixed time (after `pip install -e '.[cuda]'` or
+# '.[rocm]'): the target is TARGET (default the smollm2-135m preset), the answers regen snapshots
+# (DATA; DATA_TAR, a tar of them, is extracted first). Several runs (RUNS) train at once on the one
+# GPU, each a cosine run from INIT. Their length is planned from a short probe of the first run
+# alone to end inside BUDGET seconds, with train.distill --time_budget as the backstop: the runs
+# share the GPU, so a step of all of them is taken to cost the probe's step times their number
+# (NVIDIA H200, 64 sequences of 512 tokens, 2026-12-04: 0.09 s alone, 0.17-0.19 s two at once).
+# Probing all runs at once measures too little: their compilations end tens of seconds apart, so
+# their probe steps do not overlap. Each run's mean of its last AVG exports is written to
+# OUT/NAME/ (model.safetensors, config.json), and OUT/summary.json lists the runs with the
+# model's sha256, the last step's metrics and the config.
 # Usage: scripts/gpu_distill.sh OUT_DIR BUDGET_S [more train.distill flags]
 # Environment: DATA (comma-separated snapshots, required), DATA_TAR (a tar extracted into the
 # repository first), RUNS ("name:lr:seed[:flag,flag] ...": the flags, e.g.
 # --draft_vocab=vocab.json, only for that run), STEPS (the runs' length: no probe, and runs a time
 # budget stopped resume; OVERHEAD their start-up seconds, default 90), STEP_S (seconds per step of
 # all runs at once, measured before: no probe, the length planned from it; OVERHEAD default 120),
-# INIT, TARGET (default: the payload's converted target, by its preset name), BATCH, MICRO, ANCHORS,
-# MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for averaging and packing), WORK (run
+# INIT, TARGET (default smollm2-135m), BATCH, MICRO, ANCHORS,
+# MAX_LEN, AVG, PROBE (probe steps), RESERVE (seconds kept for averaging and the summary), WORK (run
 # directories), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,8 +75,8 @@ at_once() {   # phase (probe|main), total steps, more flags: every run of RUNS a
 }
 
 if [ -n "${STEPS:-}" ]; then
-    # a planned length given (e.g. a second call on the same held machine): no probe; main runs
-    # resume from their run directories' checkpoints
+    # a planned length given (e.g. a second call with the same WORK): no probe; main runs resume
+    # from their run directories' checkpoints
     step_s=0 overhead=${OVERHEAD:-90} steps=$STEPS
     left=$((deadline - $(date +%s) - RESERVE))
 elif [ -n "${STEP_S:-}" ]; then
@@ -124,8 +123,8 @@ for spec in $RUNS; do
     ls -d "$dir"/export/step_* > /dev/null 2>&1 || { say "$name: no export"; continue; }
     rm -rf "$dir-avg"
     $PY -m train.average --drafts "$dir/export/step_*" --last "$AVG" --out "$dir-avg" 2>&1 | tail -n 1 | tee -a "$log"
-    mkdir -p "$out/$name"
-    split -b 15M -d -a 2 "$dir-avg/model.safetensors" "$out/$name/model.safetensors.part-"
+    rm -rf "${out:?}/$name"
+    cp -r "$dir-avg" "$out/$name"
     last=$(tail -n 1 "$dir/metrics.jsonl")
     summary+=("$name" "$lr" "$seed" "$(sha256sum "$dir-avg/model.safetensors" | cut -d' ' -f1)" "$last"
               "$dir-avg/config.json")
