@@ -1,6 +1,6 @@
 """scripts/gpu_answers.sh on the CPU with the real target and two tiny pools: every pool answered
-inside the budget, its archive in the returned tar, the snapshot left for gpu_distill.sh, and a
-second call that finds everything answered."""
+inside the budget, its archive written, the snapshot left for gpu_distill.sh, and a second call
+that finds everything answered."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 from dspark_jax.train import regen
@@ -23,64 +22,59 @@ def _pool(path: Path, name: str, n: int) -> list[dict]:
     return recs
 
 
-def _summary(work: Path) -> list[dict]:
-    return [json.loads(x) for x in (work / "answers.jsonl").read_text().splitlines()]
+def _summary(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
 
 
 def _run(work: Path, out: Path, pools: str, target: Path, **env) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", TARGET=str(target),
-               WORK=str(work), DSPARK_GPU_PAYLOAD=str(work / "no-payload"), BATCH="4",
+               WORK=str(work), BATCH="4",
                MAX_NEW_TOKENS="16", RESERVE="5", POOLS=pools, **env)
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_answers.sh"), str(out), "500"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=700, check=False)
 
 
-def test_gpu_answers_answers_the_pools_and_returns_their_archives(smollm2_dir, tmp_path):
+def test_gpu_answers_answers_the_pools_and_writes_their_archives(smollm2_dir, tmp_path):
     pools = {name: _pool(tmp_path / f"prompts-{name}.jsonl", name, n) for name, n in (("warm", 6), ("cool", 5))}
     spec = " ".join(f"{n}:{tmp_path}/prompts-{n}.jsonl:{tmp_path}/archive-{n}" for n in pools)
     out = tmp_path / "out"
     res = _run(tmp_path / "work", out, spec, smollm2_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = _summary(tmp_path / "work")
+    lines = _summary(out)
     assert [x["name"] for x in lines] == ["warm", "cool"]
     for x, (name, recs) in zip(lines, pools.items()):
         assert x["pool"] == x["answered"] == x["archived"] == x["snapshot"] == len(recs)
         snap = regen.read_cache(tmp_path / "work" / f"answers-{name}.jsonl")
         assert [r["id"] for r in snap] == [r["id"] for r in recs]        # the pool's order
         assert all(r["dtype"] == "bfloat16" and 1 <= len(r["answer_ids"]) <= 16 for r in snap)
-    assert [p.name for p in out.iterdir()] == ["answers.tar"]          # one file comes back
-    with tarfile.open(out / "answers.tar") as tar:
-        names = tar.getnames()
-    assert str(tmp_path / "work" / "answers.jsonl").lstrip("/") in names
+    assert sorted(p.name for p in out.iterdir()) == ["answers.jsonl", "gpu_answers.log"]
     for name in pools:
-        arch = str(tmp_path / f"archive-{name}").lstrip("/")
-        assert f"{arch}/part-00000.jsonl.gz" in names and f"{arch}/meta.json" in names
+        arch = tmp_path / f"archive-{name}"
+        assert (arch / "part-00000.jsonl.gz").is_file() and (arch / "meta.json").is_file()
 
-    # a second call on a fresh machine: the archives restore every answer, nothing is generated
+    # a second call with a fresh WORK: the archives restore every answer, nothing is generated
     res = _run(tmp_path / "work2", tmp_path / "out2", spec, smollm2_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    log = (tmp_path / "work2" / "gpu_answers.log").read_text()
+    log = (tmp_path / "out2" / "gpu_answers.log").read_text()
     for n in (6, 5):
         assert f"{n} already cached, 0 to generate" in log
-    again = _summary(tmp_path / "work2")
+    again = _summary(tmp_path / "out2")
     assert [x["snapshot"] for x in again] == [6, 5]
     for name in pools:
         assert (tmp_path / "work2" / f"answers-{name}.jsonl").read_bytes() == \
             (tmp_path / "work" / f"answers-{name}.jsonl").read_bytes()
 
 
-def test_gpu_answers_samples_requests_into_a_new_pool_then_answers_it(smollm2_dir, tmp_path):
+def test_gpu_answers_samples_requests_into_a_new_pool_then_answers_it(smollm2_dir, registry_data_dir, aime_file,
+                                                                    tmp_path):
     """SAMPLE: Magpie requests for a few seconds (steered), the pool of the new ones less an
-    earlier pool, decontaminated, answered, the grown Magpie archive returned in the tar."""
+    earlier pool, decontaminated, answered, the grown Magpie archive written."""
     from dspark_jax.data import magpie
 
     cache, archive = tmp_path / "magpie.jsonl", tmp_path / "magpie.jsonl.gz"
-    shared = REPO.parent / "shared" / "data"
-    if not shared.is_dir():
-        shared = Path("/work/shared/data")
     env = {"MAGPIE_CACHE": str(cache), "MAGPIE_ARCHIVE": str(archive), "MAGPIE_OPENERS": "Write a poem,Pretend you are",
-           "SAMPLE_S": "60", "SAMPLE_MAX": "6", "DSPARK_DATA_DIR": str(shared),
-           "DSPARK_DATA_CACHE": str(tmp_path / "data-cache"), "AIME": str(shared / "aime2026.jsonl")}
+           "SAMPLE_S": "60", "SAMPLE_MAX": "6", "DSPARK_DATA_DIR": str(registry_data_dir),
+           "DSPARK_DATA_CACHE": str(tmp_path / "data-cache"), "AIME": str(aime_file)}
     first = tmp_path / "prompts-1.jsonl"
     res = _run(tmp_path / "work", tmp_path / "out", "", smollm2_dir,
                SAMPLE=f"p1:{first}:{tmp_path}/answers-1", **env)
@@ -90,10 +84,8 @@ def test_gpu_answers_samples_requests_into_a_new_pool_then_answers_it(smollm2_di
     assert 1 <= len(pool1) <= len(accepted) and {r["source"] for r in pool1} == {"magpie"}
     assert {r["id"] for r in pool1} <= {i for i, _ in accepted}
     assert magpie.restore_archive(archive, tmp_path / "restored.jsonl") == len(magpie.read_cache(cache))
-    [line] = _summary(tmp_path / "work")
+    [line] = _summary(tmp_path / "out")
     assert line["name"] == "p1" and line["pool"] == line["answered"] == line["snapshot"] == len(pool1)
-    with tarfile.open(tmp_path / "out" / "answers.tar") as tar:
-        assert str(archive).lstrip("/") in tar.getnames()
 
     # a second sampling round: its pool holds only the new requests (the first pool excluded)
     second = tmp_path / "prompts-2.jsonl"

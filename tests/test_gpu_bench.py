@@ -1,8 +1,8 @@
-"""benchmarks.gpu_bench (issue 19), the GPU benchmark, run on this CPU with tiny shapes: every stage
-through the driver (interpret-mode kernels, tiny configs, a tiny GGUF carried as a payload in
-parts, transformers on the CPU as the peer), the JSON and the tables; a stage that fails, hangs,
-cannot run here or finds no time left is recorded and the others still run; the crossover and
-goal arithmetic on made-up timings; the K3-width slice's configs."""
+"""benchmarks.gpu_bench, the GPU benchmark, run on the CPU with tiny shapes: every stage through
+the driver (interpret-mode kernels, tiny configs, a tiny GGUF converted as the demo target,
+transformers on the CPU as the peer), the JSON and the tables; a stage that fails, hangs, cannot
+run or finds no time left is recorded and the others still run; the crossover and goal arithmetic
+on made-up timings; the K3-width slice's configs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from benchmarks import gpu_bench, gpu_payload
+from benchmarks import gpu_bench
 from benchmarks.crossover import auto_choice, crossover_report, crossover_span
 from tests.test_gguf_tokenizer import (TINY, TINY_MERGES, TINY_SPECIALS, TINY_TEMPLATE, gguf_name, llama_cpp_permute,
                                        tiny_hf_weights, tiny_tokens)
@@ -180,20 +180,18 @@ def test_k3_slice_is_k3_at_full_width():
 
 
 @pytest.fixture(scope="module")
-def tiny_payload(tmp_path_factory) -> tuple[Path, Path]:
-    """(payload folder with a tiny GGUF in 3 parts + GSM8K prompts, a draft for it)."""
-    from dspark_jax.data import registry
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tiny GGUF converted to an HF-layout target, a draft for it)."""
+    from dspark_jax.checkpoint.gguf import convert_gguf
 
     root = tmp_path_factory.mktemp("gpu_bench")
-    src = write_gguf(root / "tiny.gguf")
-    out = root / "payload"
-    gpu_payload.pack(src, out, part_bytes=src.stat().st_size // 3 + 1, tree_bytes=0,
-                     extras={"gsm8k_test.jsonl": registry.fetch("gsm8k_test")})
-    return out, write_draft(root / "draft")
+    target = root / "target"
+    convert_gguf(write_gguf(root / "tiny.gguf"), target, dtype="f32")
+    return target, write_draft(root / "draft")
 
 
-def _run_tiny(tiny_payload, tmp_path, stages: str, *extra: str) -> tuple[dict, str, subprocess.CompletedProcess]:
-    payload, draft = tiny_payload
+def _run_tiny(tiny_pair, tmp_path, stages: str, *extra: str) -> tuple[dict, str, subprocess.CompletedProcess]:
+    target, draft = tiny_pair
     demo_cfg = tmp_path / "llama.json"              # the tiny GGUF's architecture, for steps_demo
     demo_cfg.write_text(json.dumps(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=len(tiny_tokens()),
@@ -202,7 +200,7 @@ def _run_tiny(tiny_payload, tmp_path, stages: str, *extra: str) -> tuple[dict, s
         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
         bos_token_id=1, eos_token_id=2)))
     out = tmp_path / "out"
-    proc = _bench(["--out", str(out), "--stages", stages, "--tiny", "--payload", str(payload), "--state_dir",
+    proc = _bench(["--out", str(out), "--stages", stages, "--tiny", "--demo_target", str(target), "--state_dir",
                    str(tmp_path / "state"), "--no-compile_cache", "--dtype", "float32", "--demo_config",
                    str(demo_cfg), "--demo_draft", str(draft), "--budget_s", "800", "--min_stage_s", "1", *extra])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -210,14 +208,14 @@ def _run_tiny(tiny_payload, tmp_path, stages: str, *extra: str) -> tuple[dict, s
     assert {s: r["status"] for s, r in res["results"].items()} == dict.fromkeys(stages.split(","), "ok")
     assert sorted(p.name for p in out.iterdir()) == ["bench.log", "results.json", "table.md"]
     table = (out / "table.md").read_text()
-    assert table in proc.stdout and "## Goals (issue 19)" in table
+    assert table in proc.stdout and "## Goals" in table
     return res["results"], table, proc
 
 
-def test_kernel_and_step_stages_on_tiny_shapes(tiny_payload, tmp_path):
+def test_kernel_and_step_stages_on_tiny_shapes(tiny_pair, tmp_path):
     """kernels, crossover, steps_demo and steps_k3 on a CPU: interpret-mode kernels, tiny configs
     (the K3 slice's structure at test widths), every result in results.json and the tables."""
-    r, table, proc = _run_tiny(tiny_payload, tmp_path, "kernels,crossover,steps_demo,steps_k3",
+    r, table, proc = _run_tiny(tiny_pair, tmp_path, "kernels,crossover,steps_demo,steps_k3",
                                "--kernel_groups", "mla_paged", "--kernel_match", "block float8",
                                "--batch_sizes", "1", "--step_modes", "auto", "--step_reps", "1")
     cases = r["kernels"]["groups"]["mla_paged"]["data"]["cases"]
@@ -236,15 +234,15 @@ def test_kernel_and_step_stages_on_tiny_shapes(tiny_payload, tmp_path):
     assert "[steps_k3]" in proc.stdout and "[kernels:mla_paged]" in proc.stdout
 
 
-def test_demo_and_torch_stages_on_tiny_weights(tiny_payload, tmp_path):
-    """demo and torch on a CPU: the payload's parts reassembled and converted, GSM8K prompts from
-    its extras, float32 (speculative output must equal plain output exactly), transformers on
-    the CPU compared token for token with our plain decoding."""
-    payload, _ = tiny_payload
-    r, table, _ = _run_tiny(tiny_payload, tmp_path, "demo,torch", "--num_prompts", "2", "--max_new_tokens", "8",
+def test_demo_and_torch_stages_on_tiny_weights(tiny_pair, tmp_path):
+    """demo and torch on a CPU: the converted tiny target, GSM8K prompts from the data registry,
+    float32 (speculative output must equal plain output exactly), transformers on the CPU
+    compared token for token with our plain decoding."""
+    target, _ = tiny_pair
+    r, table, _ = _run_tiny(tiny_pair, tmp_path, "demo,torch", "--num_prompts", "2", "--max_new_tokens", "8",
                             "--rounds", "1", "--torch_device", "cpu")
     demo = r["demo"]["data"]
-    assert demo["target"] == str(payload / gpu_payload.TARGET_NAME)        # reassembled and converted
+    assert demo["target"] == str(target)
     assert demo["prompts"] == 2 and min(demo["prompt_tokens"]) > 100         # GSM8K questions (byte tokens)
     assert demo["speculative_equals_plain"] == "2/2" and demo["speculative_over_plain"] > 0
     torch_ = r["torch"]["data"]
@@ -253,20 +251,14 @@ def test_demo_and_torch_stages_on_tiny_weights(tiny_payload, tmp_path):
     assert "## Demo pair, real weights" in table and "transformers greedy (cpu)" in table
 
 
-def test_failures_hangs_skips_and_the_budget(tiny_payload, tmp_path):
-    """Each stage's trouble stays its own: a stage that cannot run here is skipped with the
-    reason, an error and a hang are recorded with the output's tail, later stages still run,
-    and a stage that finds no budget left keeps an earlier run's result."""
-    payload, _ = tiny_payload
-    partial = tmp_path / "partial"                        # the host after the first run: 1 part of 3
-    manifest = gpu_payload.load_manifest(payload)
-    for rel in manifest["runs"][0]:
-        src, dst = Path(rel), partial / Path(rel).relative_to(payload)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (__import__("shutil").copytree if src.is_dir() else __import__("shutil").copy)(src, dst)
+def test_failures_hangs_skips_and_the_budget(tmp_path):
+    """Each stage's trouble stays its own: a stage that cannot run is skipped with the reason, an
+    error and a hang are recorded with the output's tail, later stages still run, and a stage
+    that finds no budget left keeps an earlier run's result."""
+    missing = tmp_path / "no-such-target"
     state = tmp_path / "state"
     out = tmp_path / "out"
-    proc = _bench(["--out", str(out), "--tiny", "--payload", str(partial), "--state_dir", str(state),
+    proc = _bench(["--out", str(out), "--tiny", "--demo_target", str(missing), "--state_dir", str(state),
                    "--no-compile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
                    str(ROOT / "dspark_jax" / "configs" / "smollm2-135m-dspark.json"),
                    "--stage_timeouts", "steps_k3=4", "--min_stage_s", "1", "--budget_s", "300"])
@@ -274,18 +266,17 @@ def test_failures_hangs_skips_and_the_budget(tiny_payload, tmp_path):
     r = json.loads((out / "results.json").read_text())["results"]
     assert r["torch"]["status"] == "skipped" and "sees no CUDA device" in r["torch"]["reason"]
     assert r["demo"]["status"] == "skipped"
-    assert "missing parts/tiny.gguf.part-001 (run 2 of 3 carries it)" in r["demo"]["reason"]
+    assert r["demo"]["reason"].startswith(f"demo target {str(missing)!r} not available")
     assert r["steps_demo"]["status"] == "error" and r["steps_demo"]["rc"] != 0
     assert "a DSpark draft config, not a target's" in r["steps_demo"]["reason"]
     assert any("Traceback" in line for line in r["steps_demo"]["log_tail"])
     assert r["steps_k3"]["status"] == "timeout" and r["steps_k3"]["rc"] is None
-    assert "1 of 3 parts intact" in (out / "bench.log").read_text()
 
     # no budget left: nothing starts; an earlier ok result is kept (marked), others say why
     history = json.loads((state / "history.json").read_text())
     history["demo"] = {"stage": "demo", "status": "ok", "run_at": "earlier", "data": {"speculative_over_plain": 2.5}}
     (state / "history.json").write_text(json.dumps(history))
-    proc = _bench(["--out", str(out), "--payload", str(partial), "--state_dir", str(state), "--stages", "demo,torch",
+    proc = _bench(["--out", str(out), "--state_dir", str(state), "--stages", "demo,torch",
                    "--budget_s", "1"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
