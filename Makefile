@@ -2,24 +2,28 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned, so nothing later resolves a CUDA build
+
+# the library and its programs (no torch)
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# + the test extra; torch first, pinned to the version the torch references were checked with
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $(VENV)/.installed $@
 
-venv: $(STAMP)
-
-demo: $(STAMP)
+demo: $(VENV)/.installed
 	$(BIN)/python -m serve.generate
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q -n 2 tests
 
 clean:

@@ -1,4 +1,4 @@
-"""Plain vs speculative decoding throughput, measured in one run (issue 3 and 5 benchmarks).
+"""Plain vs speculative decoding throughput, measured in one run.
 
     python -m benchmarks.decode_speed                      # SmolLM2 + demo draft (or a random one)
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
@@ -10,7 +10,7 @@ share of a speculative step (the draft's block pass vs the verify that follows i
 tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it), and the
 wall time per decode step inside the compiled step (dispatch + wait) and outside it (prefill, the
 host loop, set-up), for the best round of each variant. With
-`--confidence_schedule` also the confidence-scheduled verify (spec E.6), its step-cost model
+`--confidence_schedule` also the confidence-scheduled verify (docs/architecture.md §5.6), its step-cost model
 t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. With
 `--speculative_disable_by_batch_size N` also speculation switched off while N or more sequences
 share a step ("switching"). CPU
@@ -26,6 +26,7 @@ measure it.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -41,8 +42,8 @@ _BATCHES = flags.DEFINE_string("batch_sizes", "1,8", "comma-separated batch size
 _N = flags.DEFINE_integer("num_prompts", 16, "GSM8K test prompts per batch size")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
-                           "param dtype (XLA:CPU runs bf16 matmuls slower than f32)")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "checkpoint", "bfloat16", "float32"],
+                           "target (and so draft) dtype; auto = bfloat16 where XLA runs it natively, else as stored")
 _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
 _OFF = flags.DEFINE_integer("speculative_disable_by_batch_size", None, "also measure speculation switched off "
                             "while this many sequences or more share a step ('switching')", lower_bound=1)
@@ -71,16 +72,23 @@ def main(argv):
 
     if _RANDOM.value and not _STEPS_ONLY.value:
         raise app.UsageError("--random_weights times steps only: add --steps_only")
-    dtype = jnp.dtype(_DTYPE.value)
+    from dspark_jax.api import resolve_dtype
+    from dspark_jax.hostinfo import describe_cpu
+
+    dtype = resolve_dtype(_DTYPE.value, "--dtype")
     t0 = time.perf_counter()
     try:
-        target = random_target(_MODEL.value, dtype) if _RANDOM.value else load_target(_MODEL.value, dtype=dtype)
+        if _RANDOM.value:
+            target = random_target(_MODEL.value, dtype or jnp.dtype(jnp.float32))
+        else:
+            target = load_target(_MODEL.value, dtype=dtype or "checkpoint")
     except ValueError as e:
         if not _RANDOM.value:
             raise
         raise app.UsageError(f"--model {e}") from None
     draft, draft_name = load_draft_spec(_DRAFT.value, target), _DRAFT.value
-    print(f"target and draft ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"target and draft ready in {time.perf_counter() - t0:.1f} s; params {jnp.dtype(target.dtype).name}; "
+          f"CPU: {describe_cpu()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     if draft is None:
         raise app.UsageError("--draft_model none: there is no speculative step to time")
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]

@@ -23,9 +23,9 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
 # --dtype of the entry points (serving.models.resolve_dtype): the compute dtype the pair is loaded in
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "auto")
-DTYPE_HELP = ("Target compute dtype (the draft follows it): checkpoint = as stored; auto = bfloat16 on a CPU "
-              "whose XLA runs bf16 GEMMs natively (numerics.native_bf16_gemm: a verify of 8 tokens then costs "
-              "~1.4 one-token steps instead of ~2.1), else as stored.")
+DTYPE_HELP = ("Target compute dtype (the draft follows it): auto = bfloat16 on GPUs/TPUs and on CPUs whose XLA "
+              "runs bf16 GEMMs natively (AVX-512 BF16 / AMX; numerics.native_bf16_gemm), else as stored; "
+              "checkpoint = as stored; float32 / bfloat16 = cast to it.")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class EngineConfig:
     page_size: int = 16                      # tokens per cache page (ATOM's --block_size)
     max_num_seqs: int = 8                    # cache slots: sequences decoded together
     max_model_len: int | None = None         # tokens per sequence; None: from the target
-    schedule: VerifyCost | None = None       # confidence-scheduled verify length (spec E.6)
+    schedule: VerifyCost | None = None       # confidence-scheduled verify length (docs/architecture.md §5.6)
     # with this many sequences or more in a step, decode them without drafts (vLLM's
     # speculative_disable_by_batch_size): where verifying T+1 tokens per row is compute-bound (a
     # CPU at batch 8) speculation costs more than it returns. None: always speculate. The Batcher

@@ -1,4 +1,4 @@
-"""`generate()`: the library's batched generation call (DESIGN §5), and the request helpers it
+"""`generate()`: the library's batched generation call, and the request helpers it
 shares with the server, the benchmark and answer generation (prompt encoding, end-of-sequence
 ids, stop strings, output text).
 
@@ -46,15 +46,17 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
              confidence_schedule: bool | VerifyCost = False,
-             speculative_disable_by_batch_size: int | None = None) -> GenerateResult:
+             speculative_disable_by_batch_size: int | None = None, dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
-    or a preset name). `prompts`: strings, chat message lists (`[{"role","content"}]`) or token-id
+    or a preset name); one given by name is loaded in `dtype` (`load_target`'s meaning: "auto" is
+    bfloat16 where it runs fast, else the checkpoint's), a draft given by name in the target's dtype.
+    `prompts`: strings, chat message lists (`[{"role","content"}]`) or token-id
     lists. With `chat=True` strings are wrapped as one user turn and rendered with the target's
     chat template. `draft=None` or `num_speculative_tokens=0` decodes without speculation.
     `confidence_schedule` (True or a `VerifyCost`) lets the draft's confidence head choose how many
-    drafts each step verifies (spec E.6); off by default, as in ATOM for Kimi-K3-DSpark.
+    drafts each step verifies (docs/architecture.md §5.6); off by default, as in ATOM for Kimi-K3-DSpark.
     `speculative_disable_by_batch_size=N`: steps over N or more sequences run without drafts (where
     a wide verify is compute-bound, e.g. a CPU at batch 8; docs/profile.md); output is unchanged.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
@@ -62,9 +64,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     from dspark_jax.api import load_draft, load_target
 
     if isinstance(target, str) or hasattr(target, "__fspath__"):
-        target = load_target(target)
+        target = load_target(target, dtype=dtype)
     if draft is not None and (isinstance(draft, str) or hasattr(draft, "__fspath__")):
-        draft = load_draft(draft)
+        draft = load_draft(draft, dtype=target.dtype)
     schedule = None
     if confidence_schedule:
         schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()

@@ -35,7 +35,7 @@ flags.DEFINE_string("aime_file", None, "AIME JSONL ({id, problem, answer} per li
 flags.DEFINE_integer("limit", None, "First N prompts of each benchmark (default: the official counts).",
                      lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 512, "Tokens generated per turn.", lower_bound=1)
-flags.DEFINE_enum("dtype", "checkpoint", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
+flags.DEFINE_enum("dtype", "auto", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 flags.DEFINE_integer("max_turns", None, "Turns per conversation at most (MT-Bench first turns: 1; default: all).",

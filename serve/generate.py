@@ -29,10 +29,10 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
 flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat template.")
 flags.DEFINE_list("stop", None, "Stop strings.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("dtype", "checkpoint", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
+flags.DEFINE_enum("dtype", "auto", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
 flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
-                  "each step verifies (spec E.6; default step-cost model).")
+                  "each step verifies (docs/architecture.md §5.6; default step-cost model).")
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 
 log = logging.getLogger("dspark_jax.serving")

@@ -21,7 +21,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Target: HF-layout or Orbax directory, or a preset (default: smollm2-135m).")
 flags.DEFINE_string("draft_model", None, "DSpark draft directory or preset (default: smollm2-135m-dspark); "
                     "'none' for plain decoding, 'untrained[:CONFIG.json]' for a random draft.")
-flags.DEFINE_enum("dtype", "checkpoint", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
+flags.DEFINE_enum("dtype", "auto", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices in the mesh).", lower_bound=1)
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs, ...
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes the server to the network).")

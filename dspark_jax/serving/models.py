@@ -22,6 +22,7 @@ from flax import nnx
 
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
+from dspark_jax.api import resolve_dtype as api_resolve_dtype
 from dspark_jax.cache import value_dtype
 from dspark_jax.config import DraftConfig
 from dspark_jax.engine import pool_geometry
@@ -110,19 +111,14 @@ def fingerprint(spec: str, content_limit: int = 256 << 20) -> str:
 
 
 def resolve_dtype(name: str | None):
-    """A --dtype choice as a load dtype (None: the checkpoint's)."""
-    if name in (None, "checkpoint"):
-        return None
-    if name == "auto":
-        from dspark_jax.numerics import native_bf16_gemm
-        return jax.numpy.dtype(jax.numpy.bfloat16) if native_bf16_gemm() else None
-    if name not in DTYPE_CHOICES:
+    """A --dtype choice as a load dtype (None: the checkpoint's); `auto` logs what it chose and why."""
+    if name is not None and name not in DTYPE_CHOICES:
         raise ValueError(f"--dtype {name!r}: expected one of {', '.join(DTYPE_CHOICES)}")
-    return jax.numpy.dtype(name)
+    return api_resolve_dtype(name, "--dtype")
 
 
 def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: int = 1,
-              dtype: str | None = None) -> ModelPair:
+              dtype: str | None = "auto") -> ModelPair:
     """Target + draft for an entry point (see the module docstring for the names); `dtype`: a
     --dtype choice (`resolve_dtype`)."""
     mesh = make_mesh(tp)

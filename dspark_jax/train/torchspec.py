@@ -73,8 +73,18 @@ def find_checkpoint(path: str | Path) -> Path:
     raise TorchSpecError(f"{path}: no checkpoint_N.pt (looked in it and in training_checkpoint/)")
 
 
+def _torch():
+    """torch, which only this reader needs (the `test` and `peers` extras install it)."""
+    try:
+        import torch
+    except ImportError:
+        raise TorchSpecError("reading a TorchSpec checkpoint needs torch: pip install torch (CPU build: "
+                             "pip install torch --index-url https://download.pytorch.org/whl/cpu)") from None
+    return torch
+
+
 def _numpy(t) -> np.ndarray:
-    import torch
+    torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise TorchSpecError(f"expected a tensor, got {type(t).__name__}")
     return t.detach().to(torch.float32).cpu().numpy()
@@ -112,7 +122,7 @@ def _dig(ckpt: Mapping, *paths: tuple[str, ...]) -> Any:
 
 def read_torchspec_checkpoint(path: str | Path, param_names: set[str]) -> TorchSpecState:
     """Weights, AdamW moments and step of a TorchSpec checkpoint, keyed by our param names."""
-    import torch
+    torch = _torch()
 
     file = find_checkpoint(path)
     ckpt = torch.load(file, map_location="cpu", weights_only=True)

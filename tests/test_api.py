@@ -1,0 +1,49 @@
+"""The library entry points' `dtype` argument: "auto" (the default), "checkpoint", a dtype name."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import pytest
+
+from dspark_jax import api, load_draft, numerics
+from dspark_jax.hostinfo import describe_cpu
+from dspark_jax.serving.models import resolve_dtype as flag_dtype
+from tests.serve_utils import write_tiny_draft
+
+
+def _auto_is_bf16() -> bool:
+    return not numerics.on_cpu() or numerics.native_bf16_gemm()
+
+
+def test_auto_is_bfloat16_exactly_where_it_runs_fast():
+    chosen, why = api.auto_dtype()
+    if _auto_is_bf16():
+        assert chosen == jnp.bfloat16 and why.startswith("bfloat16")
+    else:
+        assert chosen is None and "checkpoint" in why
+    if numerics.on_cpu():
+        assert describe_cpu() in why          # the log names the CPU it decided for
+
+
+def test_dtype_names(caplog):
+    assert api.resolve_dtype("checkpoint") is None and api.resolve_dtype(None) is None
+    assert api.resolve_dtype("float32") == jnp.float32 and api.resolve_dtype(jnp.bfloat16) == jnp.bfloat16
+    with caplog.at_level(logging.INFO, logger="dspark_jax"):
+        api.resolve_dtype("auto", "target dtype")
+    assert any(r.getMessage().startswith("target dtype auto -> ") for r in caplog.records)
+    with pytest.raises(ValueError, match="'float33'"):
+        api.resolve_dtype("float33")
+    with pytest.raises(ValueError, match="--dtype 'half'"):
+        flag_dtype("half")
+    assert flag_dtype("auto") == api.auto_dtype()[0]
+
+
+def test_load_draft_defaults_to_auto(tmp_path):
+    """A float32 checkpoint loads as bfloat16 under auto where bf16 runs fast, as stored elsewhere;
+    "checkpoint" keeps float32 everywhere."""
+    path = write_tiny_draft(tmp_path / "draft")
+    default = load_draft(path).context_proj.weight.get_value().dtype
+    assert default == (jnp.bfloat16 if _auto_is_bf16() else jnp.float32)
+    assert load_draft(path, dtype="checkpoint").context_proj.weight.get_value().dtype == jnp.float32
