@@ -1,4 +1,4 @@
-"""The engine: a (target, draft) pair split for jit, and its three compiled programs (DESIGN §4).
+"""The engine: a (target, draft) pair split for jit, and its three compiled programs over `steps.py`.
 
 - `prefill`: new sequences' prompts into their cache slots (only the new rows run), the first
   token sampled, the draft's context rows written.
@@ -74,14 +74,13 @@ class Engine:
         self.d_state = cast_floating(d_state, self.compute_dtype) if draft is not None else None
         sharding = jax.tree.leaves(self.t_state)[0].sharding
         self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        # `serving_layout`: the target's weights also as fused q|k|v and gate|up, [in, out] copies
-        # (`serving_weights`), built once here and passed to every program beside the declared
-        # params. Off by default: on the 2-core CPU it measured neutral at batch 1 (docs/profile.md)
-        # and it doubles the target's weight memory. Families without it, or a sharded engine,
-        # always use the params as declared.
+        # `serving_layout`: the target's weights also in the layout its family says the backend runs
+        # faster (`TargetLM.serving_weights`, e.g. fused q|k|v and gate|up [in, out] copies), built
+        # once here and passed to every program beside the declared params. Off by default: on a
+        # 2-core CPU it measured neutral at batch 1 (docs/profile.md) and it doubles the target's
+        # weight memory. A sharded engine always uses the params as declared.
         self.serving = None
-        if serving_layout and self.mesh is None and hasattr(target, "serving_weights") \
-                and jax.default_backend() == "cpu":
+        if serving_layout and self.mesh is None and jax.default_backend() == "cpu":
             self.serving = target.serving_weights()
         # a reduced-vocabulary draft's lm_head rows [K, D], gathered once here: inside the programs
         # the gather would rerun on every block pass
@@ -95,8 +94,8 @@ class Engine:
         self.step_jit = jax.jit(self.step_fn, static_argnames=static, donate_argnames=("caches",))
 
     # The programs take the weights as either nnx States or their flat leaf lists. The calls below
-    # pass the lists: jit flattens an nnx.State in Python on every call (0.3-0.7 ms for SmolLM2's
-    # 272 arrays on this CPU), a list of arrays in C++ (0.06 ms).
+    # pass the lists: jit flattens an nnx.State in Python on every call, a list of arrays in C++
+    # (SmolLM2's 272 arrays: 0.3-0.7 ms against 0.06 ms on an x86 server CPU, 2026-12-01).
     @property
     def t_state(self):
         return self._t_state
@@ -203,15 +202,10 @@ class Engine:
         table = span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
         sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
         last_P = jnp.maximum(lens_P - 1, 0)
-        if target.logits_rows_supported:   # the lm_head on the last prompt row alone, not on all S rows
-            out, sub, _ = steps.target_forward(_WithWeights(target, serving, logits_rows_BR=last_P[:, None]),
-                                               tokens_PS, positions, valid, sub, self.aux_ids, verify=False)
-            last = out.logits[:, 0]
-        else:
-            out, sub, _ = steps.target_forward(with_weights(target, serving), tokens_PS, positions, valid, sub,
-                                               self.aux_ids, verify=False)
-            last = jnp.take_along_axis(out.logits, last_P[:, None, None], axis=1)[:, 0]
-        first = sample_tokens(last, temperature, top_p, key)
+        # the lm_head on the last prompt row alone, not on all S rows
+        out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False,
+                                           weights=serving, logits_rows_BR=last_P[:, None])
+        first = sample_tokens(out.logits[:, 0], temperature, top_p, key)
         pool = sub.pool
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
@@ -268,8 +262,8 @@ class Engine:
         tokens = jnp.concatenate([x0_B[:, None], drafts], 1)
         positions = lens_B[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None]
         valid = active_B[:, None] & (positions < max_len)
-        out, caches, snaps = steps.target_forward(with_weights(target, serving), tokens, positions, valid, caches,
-                                                  self.aux_ids, verify=True)
+        out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
+                                                  verify=True, weights=serving)
         room = jnp.maximum(max_len - lens_B - 1, 0)
         limit = room if limit_B is None else jnp.minimum(room, limit_B)
         if temperature > 0 and draft_logits is not None and t > 0:
@@ -288,23 +282,6 @@ class Engine:
                                        target.attention_rows)
             caches = caches._replace(pool=pool)
         return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
-
-
-class _WithWeights:
-    """A target whose cached forward gets its serving weights (`serving_weights()`, when not None)
-    and any extra keywords (`logits_rows_BR`): what `steps.target_forward` calls inside a program."""
-
-    def __init__(self, target, weights, **extra):
-        self.target, self.weights, self.extra = target, weights, extra
-
-    def forward_cached(self, *args, **kw):
-        if self.weights is not None:
-            kw["weights"] = self.weights
-        return self.target.forward_cached(*args, **self.extra, **kw)
-
-
-def with_weights(target, weights):
-    return target if weights is None else _WithWeights(target, weights)
 
 
 def cast_floating(state, dtype):

@@ -1,4 +1,4 @@
-"""The shared step functions (DESIGN §4): pure, static-shaped, jit-compiled by their callers.
+"""The shared step functions: pure, static-shaped, jit-compiled by their callers.
 
 - `target_forward`: prefill and verify through the paged caches; logits, aux, final hidden,
   updated caches (+ KDA snapshots when verifying).
@@ -27,7 +27,8 @@ from dspark_jax.sampling import filter_logits, markov_draft
 
 
 def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
-                   caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
+                   caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool,
+                   weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                    ) -> tuple[ForwardOutput, TargetCaches, KDASnapshots | None]:
     """Run T tokens per sequence at their positions through the target with caches (every target
     family's `forward_cached`, models/outputs.py `TargetLM`).
@@ -36,8 +37,11 @@ def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_
     Verify (`verify=True`): KDA in recurrent form returning one snapshot per token (stacked over
     KDA layers: conv [n_kda,B,T,K-1,3P], ssm [n_kda,B,T,H,K,V]); the caller commits the snapshot of
     the last accepted token with `commit_kda`. Attention layers write their rows for valid tokens
-    and attend over the logical cache up to each query's position."""
-    return target.forward_cached(tokens_BT, positions_BT, valid_BT, caches, tuple(aux_layer_ids), verify=verify)
+    and attend over the logical cache up to each query's position. `weights`: the target's
+    `serving_weights()` (None: its declared params); `logits_rows_BR`: the logits of these rows
+    only ([B,R,V]; a prefill needs its last prompt row's)."""
+    return target.forward_cached(tokens_BT, positions_BT, valid_BT, caches, tuple(aux_layer_ids), verify=verify,
+                                 weights=weights, logits_rows_BR=logits_rows_BR)
 
 
 def commit_kda(kda: KDAStates, snaps: KDASnapshots, keep_B: jax.Array) -> KDAStates:
@@ -55,7 +59,7 @@ def commit_kda(kda: KDAStates, snaps: KDASnapshots, keep_B: jax.Array) -> KDASta
 def draft_context(draft, aux_BTA: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
                   pool: PagedPool, first_row: int) -> PagedPool:
     """Project the target's aux rows into every draft layer's latent rows at their positions
-    (spec C.3 "context KV rows"; rows later rejected sit at future positions and get rewritten)."""
+    (docs/architecture.md §3.3 "context KV rows"; rows later rejected sit at future positions and get rewritten)."""
     rows_LBTW = draft.context_rows(aux_BTA, positions_BT)
     for layer in range(rows_LBTW.shape[0]):
         pool = pool.write(first_row + layer, positions_BT, rows_LBTW[layer], valid_BT)

@@ -1,10 +1,10 @@
-"""The `kimi_linear` family target: Kimi-Linear and Kimi-K3 (spec A).
+"""The `kimi_linear` family target: Kimi-Linear and Kimi-K3 (docs/architecture.md §1).
 
 Layers are KDA (linear attention) or MLA (full attention, NoPE), each followed by a dense GLU MLP
 (layers < first_k_dense_replace) or the MoE. With `attn_res_block_size` set (K3) the residual
-stream is Block Attention Residuals (spec A.5.2); otherwise a plain pre-norm residual.
+stream is Block Attention Residuals (docs/architecture.md §1.5.2); otherwise a plain pre-norm residual.
 
-Every decoder layer returns what spec B calls the layer's output: the running residual for
+Every decoder layer returns what docs/architecture.md §2 calls the layer's output: the running residual for
 Kimi-Linear (HF `hidden_states[L+1]`), the within-block partial sum `prefix` for K3. That value is
 what the DSpark draft captures as aux hidden state.
 
@@ -144,13 +144,24 @@ class KimiLinearModel(TargetLM):
         aux = jnp.concatenate([captured[i] for i in aux_layer_ids], axis=-1) if aux_layer_ids else None
         return res, aux
 
-    def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (),
-                valid_BS: jax.Array | None = None) -> ForwardOutput:
-        """Cacheless causal forward over whole sequences (tests, parity checks, the teacher).
-        `valid_BS` marks real tokens of right-padded rows (KDA state must not absorb padding)."""
+    def run(self, token_ids_BT: jax.Array, attention: AttentionFn, aux_layer_ids: Sequence[int] = (), *,
+            weights: dict | None = None, logits_rows_BR: jax.Array | None = None) -> ForwardOutput:
+        """Embeddings -> decoder layers (attention supplied by the caller) -> final AttnRes mix and
+        norm -> lm_head (of rows `logits_rows_BR` only, when given). The family has no serving
+        layout: `weights` is None."""
+        del weights
+        res, aux = self.run_layers(self.model.embed_tokens(token_ids_BT), attention, aux_layer_ids)
+        final = self.model.final_hidden(res)
+        return ForwardOutput(self.head(final, logits_rows_BR), aux, final)
+
+    def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (), *,
+                positions_BS: jax.Array | None = None, valid_BS: jax.Array | None = None) -> ForwardOutput:
+        """Cacheless causal forward (`TargetLM.forward`). `valid_BS` marks real tokens of
+        right-padded rows (KDA state must not absorb padding); `positions_BS` go to the MLA layers."""
         _check_aux_ids(aux_layer_ids, self.cfg.num_hidden_layers)
         b, s = token_ids_BS.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        positions = positions_BS if positions_BS is not None else \
+            jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         causal = jnp.tril(jnp.ones((s, s), bool))[None]
         mask = causal if valid_BS is None else causal & valid_BS[:, None, :]
 
@@ -160,11 +171,7 @@ class KimiLinearModel(TargetLM):
             out, _ = attn(x, None, mode="chunked", valid_BT=valid_BS)
             return out
 
-        res, aux = self.run_layers(self.model.embed_tokens(token_ids_BS), attention, aux_layer_ids)
-        final = self.model.final_hidden(res)
-        return ForwardOutput(self.logits(final), aux, final)
-
-    __call__ = forward
+        return self.run(token_ids_BS, attention, aux_layer_ids)
 
     # -- cached (generation) ------------------------------------------------------------------
 
@@ -184,7 +191,8 @@ class KimiLinearModel(TargetLM):
                                 cfg.short_conv_kernel_size, cfg.kda_num_heads, cfg.kda_head_dim, dtype)
 
     def forward_cached(self, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
-                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool
+                       caches: TargetCaches, aux_layer_ids: tuple[int, ...] = (), *, verify: bool,
+                       weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                        ) -> tuple[ForwardOutput, TargetCaches, KDASnapshots | None]:
         """MLA layers write their latent rows into the pool and attend over it; KDA layers run
         chunked from their states (prefill) or recurrent with one snapshot per token (verify)."""
@@ -209,8 +217,7 @@ class KimiLinearModel(TargetLM):
             new_conv[i], new_ssm[i] = st.conv, st.ssm
             return out
 
-        res, aux = self.run_layers(self.model.embed_tokens(tokens_BT), attention, aux_layer_ids)
-        final = self.model.final_hidden(res)
+        out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
         n_kda = len(cfg.kda_layers)
         if n_kda:
             kda = KDAStates(jnp.stack([new_conv[i] for i in range(n_kda)]),
@@ -219,7 +226,7 @@ class KimiLinearModel(TargetLM):
         if verify and n_kda:
             snaps = KDASnapshots(jnp.stack([snap_conv[i] for i in range(n_kda)]),
                                  jnp.stack([snap_ssm[i] for i in range(n_kda)]))
-        return ForwardOutput(self.logits(final), aux, final), TargetCaches(pool, kda), snaps
+        return out, TargetCaches(pool, kda), snaps
 
 
 def _check_aux_ids(ids: Sequence[int], n_layers: int) -> None:

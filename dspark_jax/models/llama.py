@@ -133,14 +133,11 @@ class LlamaBackbone(nnx.Module):
 class LlamaModel(TargetLM):
     """HF `LlamaForCausalLM`: `model.*` + `lm_head` (absent when embeddings are tied)."""
 
-    logits_rows_supported = True
-
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, LlamaBackbone(cfg, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs)
 
-    def run(self, token_ids_BT: jax.Array, attention: AttentionFn,
-            aux_layer_ids: Sequence[int] = (), weights: dict | None = None,
-            logits_rows_BR: jax.Array | None = None) -> ForwardOutput:
+    def run(self, token_ids_BT: jax.Array, attention: AttentionFn, aux_layer_ids: Sequence[int] = (), *,
+            weights: dict | None = None, logits_rows_BR: jax.Array | None = None) -> ForwardOutput:
         """Embeddings -> decoder layers (attention supplied by the caller) -> norm -> lm_head,
         capturing the outputs of `aux_layer_ids` (concatenated in the order given). `weights`:
         `serving_weights()` (the MLPs' fused [in, out] copies and the lm_head's [in, out] copy).
@@ -156,17 +153,13 @@ class LlamaModel(TargetLM):
             captured[layer.layer_idx] = x_BTD
         aux = jnp.concatenate([captured[i] for i in aux_layer_ids], axis=-1) if aux_layer_ids else None
         final_BTD = self.model.norm(x_BTD)
-        head_in = final_BTD if logits_rows_BR is None else \
-            jnp.take_along_axis(final_BTD, logits_rows_BR[..., None], axis=1)
-        logits = self.logits(head_in) if weights is None or "head" not in weights \
-            else linear_io(head_in, weights["head"])
+        logits = self.head(final_BTD, logits_rows_BR, None if weights is None else weights.get("head"))
         return ForwardOutput(logits, aux, final_BTD)
 
-    def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (),
+    def forward(self, token_ids_BS: jax.Array, aux_layer_ids: Sequence[int] = (), *,
                 positions_BS: jax.Array | None = None, valid_BS: jax.Array | None = None) -> ForwardOutput:
-        """Cacheless causal forward. Token j attends to tokens i <= j (by index) with
-        `valid_BS[i]`; `positions_BS` (default 0..S-1) only feeds RoPE, so left-padded rows work
-        with positions counted from their first real token."""
+        """Cacheless causal forward (`TargetLM.forward`). `positions_BS` only feeds RoPE, so
+        left-padded rows work with positions counted from their first real token."""
         b, s = token_ids_BS.shape
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -179,8 +172,6 @@ class LlamaModel(TargetLM):
             return attn.attend(*attn.project(x_BSD, positions_BS), mask_BSS)
 
         return self.run(token_ids_BS, attention, aux_layer_ids)
-
-    __call__ = forward
 
     # -- cached (generation): one pool row per layer holds `[k | v]` -------------------------------
 
@@ -241,7 +232,7 @@ class LlamaModel(TargetLM):
             kv = pool.read(layer_idx, dtype, 2 * nkv * hd).reshape(b, -1, nkv, 2 * hd)
             return attn.attend(q, kv[..., :hd], kv[..., hd:], mask_BTS, None if w is None else w["o"])
 
-        out = self.run(tokens_BT, attention, aux_layer_ids, weights, logits_rows_BR)
+        out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
         return out, TargetCaches(pool, None), None
 
 
