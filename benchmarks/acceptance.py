@@ -1,4 +1,4 @@
-"""Acceptance (tok/fwd) of one or more drafts on held-out prompts, side by side (issue 6 goal).
+"""Acceptance (tok/fwd) of one or more drafts on held-out prompts, side by side.
 
     python -m benchmarks.acceptance --drafts smollm2-135m-dspark,untrained
     python -m benchmarks.acceptance --drafts runs/demo/smollm2-135m-dspark,runs/demo/smollm2-135m-dflash-ablation \

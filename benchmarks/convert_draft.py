@@ -10,7 +10,7 @@ read and to the raw copy, and the child's peak RSS (`wait4` rusage), then each d
 the goal (within 2x the raw read, peak RSS under 2 GB). The round trip is then compared byte for
 byte. Absolute times depend on the disk; the ratios and peak RSS are the result. Needs ~22 GB free.
 
-    python -m benchmarks.convert_draft --dir /work/dspark_bench --generate
+    python -m benchmarks.convert_draft --dir /tmp/dspark_bench --generate
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our decoding beside its peers on this CPU, same prompts, same process, alternating (issue 18, item 3).
+"""Our decoding beside its peers on the CPU it runs on, same prompts, same process, alternating.
 
     python -m benchmarks.peers                                   # 6 GSM8K prompts, 128 tokens, 2 rounds
     python -m benchmarks.peers --num_prompts 2 --max_new_tokens 16 --rounds 1 --dtypes float32
@@ -509,7 +509,7 @@ def main(argv):
     bad = [r["system"] for r in rows if r["system"].startswith("ours_spec")
            and r.get("identical_to_reference", 0) < r.get("compared_prompts", 0)]
 
-    print(f"\n## Peers on this CPU: batch 1, GSM8K test prompts (chat template), T=0, "
+    print(f"\n## Peers on the CPU: batch 1, GSM8K test prompts (chat template), T=0, "
           f"{_ROUNDS.value} round(s) alternating, best / median of rounds\n")
     print(describe_cpu(info) + "\n")
     print("tok/s = generated tokens (EOS included) / end-to-end seconds per prompt (prefill included), summed "

@@ -1,6 +1,6 @@
 """What the teacher costs per training sequence: online (the target's prefill inside every training
 step) vs offline shards (captured states written once, read back each epoch), in float32 and
-bfloat16 (issue 17, item 4).
+bfloat16.
 
     python -m benchmarks.teacher_cost --data runs/demo/answers-gsm-1123.jsonl --num_samples 32
 

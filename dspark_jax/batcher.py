@@ -1,5 +1,5 @@
 """Continuous batching over cache slots: the one scheduling loop that `generate()`, the HTTP
-server, the benchmark and answer generation drive (DESIGN §5).
+server, the benchmark and answer generation drive.
 
 `Request` is one sequence (its prompt, limits, sampling and what it produced); `Batcher` admits
 waiting requests into free slots (one prefill of just the new rows), then runs one propose/verify

@@ -1,4 +1,4 @@
-"""Caches for generation (spec E.2, E.3, E.4).
+"""Caches for generation (docs/architecture.md §5.2, §5.3, §5.4).
 
 `PagedPool`: ONE paged pool of attention rows `[rows, num_pages, page_size, width]` addressed
 through one block table per sequence. For the kimi family, rows are the target's MLA layers then
@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 FP8 = jnp.float8_e4m3fn
-FP8_SCALE = 1.0   # ATOM's static per-tensor scale (spec E.4)
+FP8_SCALE = 1.0   # ATOM's static per-tensor scale (docs/architecture.md §5.4)
 
 
 # the unsigned integers that hold a narrow float's bit pattern, and back

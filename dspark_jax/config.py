@@ -4,7 +4,7 @@
   Accepts the K3 multimodal wrapper (`text_config`, tensor prefix `language_model.`), the plain
   causal-LM layout, and what `transformers`' `save_pretrained` writes.
 - `LlamaConfig`: Llama/Qwen-style dense GQA decoders (SmolLM2).
-- `DraftConfig`: the DSpark MLA draft (`K3DSparkModel`, spec C.1).
+- `DraftConfig`: the DSpark MLA draft (`K3DSparkModel`, docs/architecture.md §3.1).
 
 Layer ids are 0-based everywhere in this package; the 1-based `kda_layers`/`full_attn_layers`
 lists of the checkpoint are converted on read.
@@ -381,12 +381,12 @@ class LlamaConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# DSpark draft (spec C.1)
+# DSpark draft (docs/architecture.md §3.1)
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """DeepSeek-flavour YaRN (spec C.4). rope_type 'default' = plain RoPE (factor 1)."""
+    """DeepSeek-flavour YaRN (docs/architecture.md §3.4). rope_type 'default' = plain RoPE (factor 1)."""
     rope_type: str = "default"
     rope_theta: float = 10000.0
     factor: float = 1.0

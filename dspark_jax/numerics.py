@@ -7,7 +7,7 @@ and crashes on the next. On CPU the operands are therefore upcast first; bf16 (a
 are exact in float32 and the sum is float32 either way, so the value is the same computation.
 Float64 operands (parity tests under x64) stay float64.
 
-Projections by a bf16 weight (`linear`, `linear_acc`) are the exception, where this machine's
+Projections by a bf16 weight (`linear`, `linear_acc`) are the exception, where the host's
 XLA:CPU proves it can: it hands a two-dimensional bf16 x bf16 -> f32 product of at least two rows
 to a YNNPACK library fusion that reads the bf16 weight as it is (`native_bf16_gemm` compiles a
 probe once and looks). There a verify of 8 rows costs about what one row does, while the upcast

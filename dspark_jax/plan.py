@@ -1,4 +1,4 @@
-"""Serving memory plan: does a target + DSpark draft fit a device mesh? (DESIGN §8)
+"""Serving memory plan: does a target + DSpark draft fit a device mesh?
 
 Everything is abstract: the models are built with `params.abstract` (ShapeDtypeStructs, no
 weights), the caches with `jax.eval_shape`, and the serving programs are lowered and compiled

@@ -109,7 +109,7 @@ def _embedded(name: str) -> Callable[[], Path]:
 # Preset name -> resolver returning the model directory.
 PRESETS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": smollm2_135m,
-    # the demo draft, distilled from SmolLM2 on CPU by scripts/demo_draft.sh (see its README)
+    # the demo draft, distilled from SmolLM2 by scripts/train_demo_draft.sh (its recipe)
     "smollm2-135m-dspark": _embedded("smollm2-135m-dspark"),
 }
 

@@ -1,5 +1,5 @@
 """Drawing tokens from logits: greedy or temperature + top-p sampling, and the draft's Markov
-head drafting left to right (spec C.4). Shared by the engine's programs, verification and the
+head drafting left to right (docs/architecture.md §3.3). Shared by the engine's programs, verification and the
 draft's cacheless reference."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verify length (spec E.6, Algorithm 1 of ATOM's DSpark scheduler).
+"""Confidence-scheduled verify length (docs/architecture.md §5.6, Algorithm 1 of ATOM's DSpark scheduler).
 
 The draft's confidence head gives c_rk = P(draft k of row r is accepted | drafts < k were). Before
 verifying, the scheduler picks how many drafts L_r of each row to verify, from the confidences

@@ -1,4 +1,4 @@
-"""Speculative-decoding statistics in ATOM's /debug/mtp_stats schema (spec E.5), plus
+"""Speculative-decoding statistics in ATOM's /debug/mtp_stats schema (docs/architecture.md §5.5), plus
 per-position acceptance, and the paired comparison of two drafts' acceptance on the same prompts."""
 
 from __future__ import annotations

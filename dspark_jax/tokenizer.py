@@ -194,7 +194,7 @@ KIMI_PAT_STR = "|".join([
 # and in Kimi-K2 tiktoken->HF conversion scripts). Used only for a directory that has no
 # `added_tokens_decoder` of its own AND whose config.json declares a Kimi-K2 / Kimi-Linear model.
 # Kimi-K3's tokenizer_config.json names this block differently (<|end_of_msg|> 163586 = K3's
-# eos_token_id in spec A.1, <|open|> 163587, <|close|> 163588, <|sep|> 163589, ...) and uses another
+# eos_token_id in docs/architecture.md §1.1, <|open|> 163587, <|close|> 163588, <|sep|> 163589, ...) and uses another
 # chat format, which this project has no copy of: a K3 directory must bring its own
 # `added_tokens_decoder` and chat template, and loading one without them is an error (no fallback
 # to K2's tokens or format, which would render K2 markers as plain text for K3).
@@ -313,7 +313,7 @@ class KimiTokenizer(BaseTokenizer):
         return tuple(sorted({i for i in ids if i is not None}))
 
 
-# K3-only config.json keys (spec A.1); one of them set marks a plain-layout (`kimi_linear`) K3
+# K3-only config.json keys (docs/architecture.md §1.1); one of them set marks a plain-layout (`kimi_linear`) K3
 _K3_CONFIG_KEYS = ("attn_res_block_size", "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
 
 

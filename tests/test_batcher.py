@@ -1,4 +1,4 @@
-"""Continuous batching (`generate.Batcher`, issue 7): admitting a request prefills only its row and
+"""Continuous batching (`generate.Batcher`): admitting a request prefills only its row and
 leaves every other slot's caches untouched; inactive rows of a step keep their state; a slot's
 new occupant starts from zero KDA state; staggered admissions, slot reuse, aborts and mixed
 sampling settings all give each request exactly what it gets alone."""

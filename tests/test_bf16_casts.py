@@ -1,5 +1,5 @@
-"""The rounding points that exist only in a bf16 model (spec A.5.3-A.5.6), each against a torch
-computation of the spec's formula written here (not our code):
+"""The rounding points that exist only in a bf16 model (docs/architecture.md §1.5.3-§1.5.6), each against a torch
+computation of the published formula (docs/architecture.md) written here (not our code):
 
 - KDA: q, k, v = silu(causal_conv(raw, conv_w)) computed in fp32, rounded to bf16 once;
 - SiTU: the fp32 product of both soft-clipped branches, rounded to bf16 once;
@@ -145,7 +145,7 @@ def test_kda_conv_silu_rounds_to_bf16(monkeypatch):
         err = 1.1 * k * U32 / 2 * terms.abs().sum(0).numpy() + TRANS * np.abs(exact) + 1e-30
         lo, hi = bracket(exact, err)
         assert_in_bracket(after[name].reshape(b, t, p), lo, hi, f"KDA {name} = silu(conv)")
-        # torch in the spec's precision: conv in fp32 (F32 conv weight), silu, one cast to bf16
+        # torch in the published precision: conv in fp32 (F32 conv weight), silu, one cast to bf16
         spec = F.silu(F.conv1d(u.float().transpose(1, 2), w.float()[:, None, :], groups=p)).transpose(1, 2)
         assert_in_bracket(spec.to(torch.bfloat16), lo, hi, f"torch reference {name}")
 
@@ -163,7 +163,7 @@ def _situ_exact(g: np.ndarray, u: np.ndarray, beta: float, lbeta: float):
 
 
 def _situ_spec_bf16(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor:
-    """Spec A.5.5 in torch: fp32 inside, cast back to the input dtype."""
+    """docs/architecture.md §1.5.5 in torch: fp32 inside, cast back to the input dtype."""
     gf, uf = g.float(), u.float()
     return (beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (lbeta * torch.tanh(uf / lbeta))).to(g.dtype)
 
@@ -232,7 +232,7 @@ def test_mla_output_gate_rounds_like_the_bf16_reference():
     lo = to_bf16(np.minimum(o64 * s_lo, o64 * s_hi))
     hi = to_bf16(np.maximum(o64 * s_lo, o64 * s_hi))
     assert_in_bracket(got, lo, hi, "MLA gated output")
-    # the spec's bf16 computation in torch (the sigmoid and the product in bf16)
+    # the published bf16 computation in torch (the sigmoid and the product in bf16)
     xt, ot = torch.from_numpy(f64(x)).bfloat16(), torch.from_numpy(o64).bfloat16()
     spec = ot * torch.sigmoid(xt @ torch.from_numpy(f64(mla.g_proj.weight.get_value())).bfloat16().T)
     assert_in_bracket(spec, lo, hi, "torch reference gate")
@@ -283,7 +283,7 @@ def test_routed_expert_sum_rounds_to_bf16_before_norm(monkeypatch):
     want = torch.from_numpy(np.array(y32)).to(torch.bfloat16).view(torch.int16).numpy()
     np.testing.assert_array_equal(np.asarray(norm_in).view(np.int16), want)
 
-    # (2) the fp32 sum is the sum of the weighted bf16 expert outputs: routing from spec A.5.5 in
+    # (2) the fp32 sum is the sum of the weighted bf16 expert outputs: routing from docs/architecture.md §1.5.5 in
     # float64 (sigmoid scores, biased top-k, renormalised), experts exact but for SiTU's bracket
     x64 = f64(x).reshape(-1, d)
     scores = 1 / (1 + np.exp(-(x64 @ f64(moe.gate.weight.get_value()).T)))

@@ -1,4 +1,4 @@
-"""Training runs the same draft functions as serving (DESIGN §4).
+"""Training runs the same draft functions as serving.
 
 The distillation loss builds its blocks, hidden states and draft logits through
 `models.dspark.block_input_ids`, `K3DSparkModel.block_hidden_with` and `K3DSparkModel.base_logits`,

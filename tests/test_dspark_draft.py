@@ -1,4 +1,4 @@
-"""The DSpark draft (spec C) and its converters: byte-identical torch <-> Orbax round trips, numerics
+"""The DSpark draft (docs/architecture.md §3) and its converters: byte-identical torch <-> Orbax round trips, numerics
 against an independent torch reference, the abstract full-size inventory, YaRN constants, and clear
 errors (with nothing left behind) on bad input."""
 
@@ -230,7 +230,7 @@ def _inputs(seed: int, n: int = 5):
 
 def _float64_reference(ref: DSparkDraftRef, inv_freq: np.ndarray) -> DSparkDraftRef:
     """A float64 copy of the torch reference holding our float32 YaRN table (both build it in
-    float32 from spec C.4; checked to agree to TABLE_ULPS here and for the K3 draft in
+    float32 from docs/architecture.md §3.4; checked to agree to TABLE_ULPS here and for the K3 draft in
     test_k3_yarn_constants_reach_the_attention), so the float64 comparison is not decided by the
     last bit of two pow() implementations."""
     ref64 = copy.deepcopy(ref).double()
@@ -373,7 +373,7 @@ def test_k3_yarn_constants_reach_the_attention():
     assert yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) == pytest.approx(1.3465736, abs=1e-7)
     assert attn.softmax_scale == pytest.approx(0.13086080, abs=1e-8)
     assert attn.rope.interleaved and attn.rope.attention_factor == 1.0
-    # the frequency table equals the reference's, written independently from spec C.4
+    # the frequency table equals the reference's, written independently from docs/architecture.md §3.4
     inv_freq, mult, scale, low, high = yarn_tables(json.loads(K3_DRAFT_JSON.read_text()))
     assert (low, high) == (15, 26) and mult == 1.0 and scale == pytest.approx(attn.softmax_scale, rel=1e-12)
     assert np.all(ulps(attn.rope.inv_freq, inv_freq.numpy()) <= TABLE_ULPS)   # both float32 (tests/float64.py)

@@ -1,4 +1,4 @@
-"""Speculative generation: losslessness, statistics, sampling, KDA rollback (issue 5)."""
+"""Speculative generation: losslessness, statistics, sampling, KDA rollback."""
 
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def test_max_model_len_stops_cleanly(llama_pair):
 
 
 # ------------------------------------------------------------------------------------------------
-# confidence-scheduled verify (spec E.6)
+# confidence-scheduled verify (docs/architecture.md §5.6)
 
 
 def _objective(lengths, survival, cost):

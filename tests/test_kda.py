@@ -1,7 +1,7 @@
-"""KDA layer (spec A.5.3): parity with transformers' Kimi-Linear and, for the K3 bounded "safe"
+"""KDA layer (docs/architecture.md §1.5.3): parity with transformers' Kimi-Linear and, for the K3 bounded "safe"
 forget gate, with transformers' Glm5Next KDA layer (the same gate; float64 on both sides),
 chunked == recurrent, state continuation, per-token snapshots, the K3 layer against a numpy
-transcription of the spec, right-padded batches and head sharding."""
+transcription of docs/architecture.md §1.5.3, right-padded batches and head sharding."""
 
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ def test_snapshots_are_states_after_each_token():
 
 
 def _numpy_k3_reference(p: dict, x: np.ndarray, h: int, hd: int, lb: float, eps: float) -> np.ndarray:
-    """Spec A.5.3 written out literally: token loop, one head at a time, float64."""
+    """docs/architecture.md §1.5.3 written out literally: token loop, one head at a time, float64."""
     x = x.astype(np.float64)
     b, t, _ = x.shape
     sig = lambda z: 1.0 / (1.0 + np.exp(-z))
@@ -248,7 +248,7 @@ def _numpy_k3_reference(p: dict, x: np.ndarray, h: int, hd: int, lb: float, eps:
 
 
 def test_k3_gate_against_numpy_spec():
-    """The K3 layer (bounded gate, full-rank output gate) vs spec A.5.3 written out in numpy,
+    """The K3 layer (bounded gate, full-rank output gate) vs docs/architecture.md §1.5.3 written out in numpy,
     float64 on both sides (tests/float64.py)."""
     with x64():
         layer = make_layer(k3=True, dtype=jnp.float64)

@@ -1,5 +1,5 @@
 """The kimi_linear-family target against transformers' KimiLinear (extensions off) and against
-numpy references of the K3 extensions (spec A.5)."""
+numpy references of the K3 extensions (docs/architecture.md §1.5)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_tiny_k3_runs_and_aux_is_layer_output():
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, size=(2, 24)))
     out = _forward(model, ids, (1, 3, 4))
     assert np.isfinite(np.asarray(out.logits)).all()
-    # the captured aux is exactly what each decoder layer returns (spec B: prefix, not the mix)
+    # the captured aux is exactly what each decoder layer returns (docs/architecture.md §2: prefix, not the mix)
     positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
     mask = jnp.tril(jnp.ones((24, 24), bool))[None]
 
@@ -162,7 +162,7 @@ def _np_attn_res(prefix, blocks, proj_w, norm_w, eps):
 
 
 def test_attn_res_banking_matches_spec_loop():
-    """The model's layer loop vs a numpy transcription of spec A.5.2, with attention and FFN as
+    """The model's layer loop vs a numpy transcription of docs/architecture.md §1.5.2, with attention and FFN as
     black boxes evaluated on the numpy inputs: checks banking at idx % block == 0 (layer 0 banks
     the embeddings), the two mixes per layer, and the output mix. Float64 on both sides."""
     with x64():
@@ -285,7 +285,7 @@ def test_full_k3_builds_abstractly_with_exact_param_count():
     expert = {k: v for k, v in flat.items() if ".experts." in k}
     other = {k: v for k, v in flat.items() if ".experts." not in k}
     n = lambda d: sum(math.prod(v.get_value().shape) for v in d.values())
-    # from the spec A.3 shapes: globals + per-layer common + 69 KDA + 24 MLA + dense layer 0 + 92 MoE
+    # from the docs/architecture.md §1.3 shapes: globals + per-layer common + 69 KDA + 24 MLA + dense layer 0 + 92 MoE
     assert n(other) == 56_743_648_000
     packed = n({k: v for k, v in expert.items() if k.endswith("weight_packed")})
     scales = n({k: v for k, v in expert.items() if k.endswith("weight_scale")})

@@ -1,5 +1,5 @@
-"""FFN side of the Kimi target (spec A.4, A.5.2, A.5.5): the noaux_tc router and MoE against
-transformers' Kimi-Linear, the K3 latent SiTU MoE against a numpy transcription of the spec, MXFP4
+"""FFN side of the Kimi target (docs/architecture.md §1.4, §1.5.2, §1.5.5): the noaux_tc router and MoE against
+transformers' Kimi-Linear, the K3 latent SiTU MoE against a numpy transcription of docs/architecture.md §1.5.5, MXFP4
 bytes, GLU MLPs, the AttnRes mixer (incl. values where a naive fp32 RMS overflows) and expert
 parallelism on 8 fake devices."""
 
@@ -200,7 +200,7 @@ def test_transformers_save_pretrained_expert_layout(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. K3 latent SiTU MoE == numpy transcription of spec A.5.5
+# 2. K3 latent SiTU MoE == numpy transcription of docs/architecture.md §1.5.5
 
 
 def np_sigmoid(x):
@@ -216,7 +216,7 @@ def np_rms(x, w, eps):
 
 
 def np_k3_moe(x, w, cfg: KimiConfig):
-    """Spec A.5.5 line by line in float64 (n_group = 1)."""
+    """docs/architecture.md §1.5.5 line by line in float64 (n_group = 1)."""
     x = x.reshape(-1, x.shape[-1]).astype(np.float64)
     scores = np_sigmoid(x @ w["gate.weight"].T)
     choice = scores + w["gate.e_score_correction_bias"]
@@ -428,7 +428,7 @@ def test_glu_mlp_silu_matches_transformers_and_situ_matches_numpy():
 
 
 def np_attn_res(prefix, blocks, proj_w, norm_w, eps):
-    """Spec A.5.2 in float64 (no overflow at bf16-range values)."""
+    """docs/architecture.md §1.5.2 in float64 (no overflow at bf16-range values)."""
     v = np.concatenate([blocks, prefix[..., None, :]], -2).astype(np.float64)
     k = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps)
     s = np.sum(k * (norm_w.astype(np.float64) * proj_w[0].astype(np.float64)), -1)

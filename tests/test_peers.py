@@ -1,4 +1,4 @@
-"""`python -m benchmarks.peers` (issue 18 item 3): the measurement protocol on fake systems (alternation,
+"""`python -m benchmarks.peers`: the measurement protocol on fake systems (alternation,
 warm-up, repeating runs that compiled, best/median aggregation, greedy agreement, table, JSON),
 and one short run of the script on the tiny served pair (tests/serve_utils.py) with transformers
 as the peer; llama.cpp is not needed (it is reported unavailable when it cannot run)."""

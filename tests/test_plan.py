@@ -48,7 +48,7 @@ def _tiny_configs() -> tuple[dict, dict]:
 
 def test_full_k3_shards_as_intended_abstractly():
     """Kimi-K3 + its draft on 8 devices: 96 heads -> 12 per device, 896 experts -> 112 per device
-    (MXFP4 packed), vocab split 8 ways; byte totals from the spec A.3 shapes."""
+    (MXFP4 packed), vocab split 8 ways; byte totals from the docs/architecture.md §1.3 shapes."""
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cfg, dcfg = plan_lib.load_plan_configs("kimi-k3", "auto")
     assert dcfg is not None and dcfg.target_layer_ids == (2, 23, 47, 71, 89)
@@ -67,7 +67,7 @@ def test_full_k3_shards_as_intended_abstractly():
     assert jax.sharding.NamedSharding(mesh, spec).shard_shape(q.get_value().shape) == (12 * 128, 7168)
     for name in ("embeddings", "lm_head"):
         assert groups[name].device_bytes * 8 == groups[name].total_bytes == 163840 * 7168 * 2
-    # the draft file (7,124,633,450 bytes = 8 + a 7,520-byte header + the 68 tensors, spec C.2)
+    # the draft file (7,124,633,450 bytes = 8 + a 7,520-byte header + the 68 tensors, docs/architecture.md §3.2)
     # minus embed_tokens (the target's table is used)
     assert groups["draft"].count == 67
     assert groups["draft"].total_bytes == 7_124_633_450 - 8 - 7_520 - 163840 * 7168 * 2

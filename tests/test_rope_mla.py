@@ -1,5 +1,5 @@
 """RoPE (plain + DeepSeek YaRN, interleaved / NeoX) and the MLA layer against transformers and
-numpy references (spec A.5.4, C.3, C.4, E.4)."""
+numpy references (docs/architecture.md §1.5.4, §3.3, §3.4, §5.4)."""
 
 import os
 
@@ -82,7 +82,7 @@ def _additive_mask(mask_BTS: np.ndarray) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. YaRN numbers (spec C.4)
+# 1. YaRN numbers (docs/architecture.md §3.4)
 
 
 def test_yarn_k3_draft_numbers_and_transformers_inv_freq():
@@ -126,7 +126,7 @@ def test_yarn_tiny_multiplier_and_scale_match_transformers():
 
 
 def _numpy_interleaved(x, pos, inv_freq, factor, angle_dtype):
-    """Spec C.4's interleaved rotation in float64, from angles `pos * inv_freq` formed in
+    """The interleaved rotation of docs/architecture.md §3.4 in float64, from angles `pos * inv_freq` formed in
     `angle_dtype`: float32 is what every float32 implementation does (at position 65535 that
     rounding alone is ~4e-3 rad, so a float64 angle would not be its reference); float64 is our
     path for float64 inputs."""
@@ -264,7 +264,7 @@ def _target_mla_check(q_lora_rank):
     ours = _randomize(MLAttention.for_target(cfg, dtype=jnp.float64, rngs=nnx.Rngs(0)), 0)
     theirs = hf_kl.KimiLinearAttention(hf_cfg, layer_idx=0).double().eval()
     # transformers' KimiLinearRMSNorm defaults to eps 1e-6 for q_a/kv_a, the same hard-coded value
-    # as the K3 reference (spec A.5.4), not the config's rms_norm_eps (1e-5)
+    # as the K3 reference (docs/architecture.md §1.5.4), not the config's rms_norm_eps (1e-5)
     hf_norms = [theirs.kv_a_layernorm] + ([theirs.q_a_layernorm] if q_lora_rank else [])
     assert all(n.variance_epsilon == 1e-6 for n in hf_norms)
     assert ours.kv_a_layernorm.eps == cfg.mla_norm_eps == 1e-6 and cfg.rms_norm_eps == 1e-5
@@ -302,7 +302,7 @@ def test_draft_mla_matches_transformers_deepseek_v3_yarn_interleaved():
 
 def _draft_mla_check():
     # DeepseekV3RMSNorm hard-codes eps 1e-6 on q_a/kv_a; the K3 draft uses config rms_norm_eps (1e-5,
-    # spec C.3), so the tiny draft is built with 1e-6 to compare like with like.
+    # docs/architecture.md §3.3), so the tiny draft is built with 1e-6 to compare like with like.
     cfg = _tiny_draft(eps=1e-6)
     hf_cfg = DeepseekV3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=6,
@@ -345,7 +345,8 @@ def test_k3_draft_mla_shapes_and_576_wide_latent_rows():
                       "q_b_proj.weight": (12288, 1536), "kv_a_proj_with_mqa.weight": (576, 7168),
                       "kv_a_layernorm.weight": (512,), "kv_b_proj.weight": (16384, 512),
                       "o_proj.weight": (7168, 8192)}
-    assert sum(np.prod(s) for s in shapes.values()) == 101_124_096          # spec C.2 attention params
+    # docs/architecture.md §3.2 attention params
+    assert sum(np.prod(s) for s in shapes.values()) == 101_124_096
     axes = {n: logical_axes(p) for n, p in flat_params(abstract).items()}
     assert axes["kv_b_proj.weight"] == ("heads", "kv_lora") and axes["o_proj.weight"] == ("embed", "heads")
     assert abstract.q_a_layernorm.eps == 1e-5 and abstract.rope.interleaved
@@ -403,7 +404,7 @@ def _absorbed_expanded_check():
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. output gate (spec A.5.4)
+# 6. output gate (docs/architecture.md §1.5.4)
 
 
 def _rms(x, w, eps):

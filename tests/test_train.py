@@ -1,4 +1,4 @@
-"""Distillation (spec D): anchors, masks, loss terms, teacher paths, sharding, resume, a short run."""
+"""Distillation (docs/architecture.md §4): anchors, masks, loss terms, teacher paths, sharding, resume, a short run."""
 
 from __future__ import annotations
 

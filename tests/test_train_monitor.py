@@ -1,4 +1,4 @@
-"""Warm start (issue 17 item 3) and training schedule/monitoring (item 5): tiny models, seconds."""
+"""Warm start and training schedule/monitoring: tiny models, seconds."""
 
 from __future__ import annotations
 

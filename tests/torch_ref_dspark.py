@@ -1,9 +1,9 @@
-"""A torch reference of the DSpark draft's block pass, written from spec C.3/C.4 alone (it does not
+"""A torch reference of the DSpark draft's block pass, written from docs/architecture.md §3.3/§3.4 alone (it does not
 import dspark_jax), used to check our JAX draft after conversion.
 
-Module names are the checkpoint's tensor names (spec C.2), so `load_state_dict` on the tensors of
+Module names are the checkpoint's tensor names (docs/architecture.md §3.2), so `load_state_dict` on the tensors of
 a draft's model.safetensors (minus `embed_tokens.weight`) is strict. Attention is computed in the
-expanded form (per-head k_nope/v from kv_b_proj), the most literal reading of the spec.
+expanded form (per-head k_nope/v from kv_b_proj), the most literal reading of docs/architecture.md §3.3.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def yarn_mscale(s: float, m: float) -> float:
 
 
 def yarn_tables(cfg: dict) -> tuple[torch.Tensor, float, float, int, int]:
-    """(inv_freq [R/2], cos/sin multiplier, softmax scale, low, high) from spec C.4."""
+    """(inv_freq [R/2], cos/sin multiplier, softmax scale, low, high) from docs/architecture.md §3.4."""
     rp = cfg["rope_parameters"]
     r = cfg["qk_rope_head_dim"]
     base, s = rp["rope_theta"], rp["factor"]
@@ -142,7 +142,7 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraftRef(nn.Module):
-    """The draft of spec C (embeddings and lm_head come from the target)."""
+    """The draft of docs/architecture.md §3 (embeddings and lm_head come from the target)."""
 
     def __init__(self, cfg: dict):
         super().__init__()

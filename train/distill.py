@@ -1,4 +1,4 @@
-"""Distil a DSpark draft from a target (spec D; dspark_jax/train/trainer.py).
+"""Distil a DSpark draft from a target (docs/architecture.md §4; dspark_jax/train/trainer.py).
 
 Online teacher (the target's prefill runs inside the training step):
     python -m train.distill --target smollm2-135m --data runs/demo/regen.jsonl \
@@ -27,8 +27,8 @@ generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, o
 acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
 --cpu_budget S stops (saving and exporting) once the training steps have used S process CPU seconds
-in all; metrics.jsonl records every step's and the running total (scripts/ablate.sh: equal-CPU-time
-ablations); --time_budget S stops the same way after S wall-clock seconds of this invocation.
+in all; metrics.jsonl records every step's and the running total (for comparisons at equal CPU
+time); --time_budget S stops the same way after S wall-clock seconds of this invocation.
 
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
@@ -80,10 +80,11 @@ flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
 flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
 flags.DEFINE_float("ce_weight", loss_lib.LossConfig.ce_weight, "Weight of the hard-label cross-entropy term "
-                   "(default: the spec's).", lower_bound=0.0)
+                   "(default: the published recipe's, docs/architecture.md §4).", lower_bound=0.0)
 flags.DEFINE_float("l1_weight", loss_lib.LossConfig.l1_weight, "Weight of the L1 (2 x total variation) term "
-                   "(default: the spec's). Greedy acceptance needs only the argmax to agree, which CE trains "
-                   "directly; L1 matches the whole distribution, which sampling at T > 0 needs.", lower_bound=0.0)
+                   "(default: the published recipe's, docs/architecture.md §4). Greedy acceptance needs only "
+                   "the argmax to agree, which CE trains directly; L1 matches the whole distribution, which "
+                   "sampling at T > 0 needs.", lower_bound=0.0)
 flags.DEFINE_string("draft_vocab", None, "vocab.json of `python -m train.vocab`: train the draft over these K "
                     "target ids (draft_vocab_size, the d2t/t2d map); with --init_from, that draft "
                     "moved to them (its Markov rows for the ids it holds, zero for the rest).")

@@ -1,4 +1,4 @@
-"""Build the distillation prompt pool (DESIGN §6).
+"""Build the distillation prompt pool.
 
     python -m train.prompts --out prompts.jsonl [--max_per_source N] [--aime_file PATH]
     python -m train.prompts --sources magpie --magpie_cache magpie.jsonl --out prompts-magpie.jsonl

@@ -1,4 +1,4 @@
-"""Cache the target's answers to the prompt pool (spec D; format in dspark_jax/train/regen.py).
+"""Cache the target's answers to the prompt pool (docs/architecture.md §4; format in dspark_jax/train/regen.py).
 
     python -m train.regen --prompts runs/demo/prompts.jsonl --out runs/demo/regen.jsonl \
         [--model smollm2-135m] [--max_new_tokens 256] [--batch_size 8] [--limit N] [--snapshot FILE]

@@ -1,6 +1,6 @@
 """DSpark draft checkpoints: the torch layout <-> an Orbax layout, bit-exact and streaming.
 
-Torch layout (as published, spec C.1/C.2): `config.json` + one `model.safetensors` (all tensors in
+Torch layout (as published, docs/architecture.md §3.1/§3.2): `config.json` + one `model.safetensors` (all tensors in
 the config's `torch_dtype`, metadata `{"torchspec_version": "0.1.0"}`; `embed_tokens.weight` is a
 copy of the target's table, optional).
 

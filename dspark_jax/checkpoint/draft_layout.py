@@ -1,4 +1,4 @@
-"""The DSpark draft's tensor inventory (spec C.2) derived from its config.json, and the check
+"""The DSpark draft's tensor inventory (docs/architecture.md §3.2) derived from its config.json, and the check
 of a checkpoint's tensors against it: names, shapes and dtypes, each problem named with the
 config key that decides it. No data is touched: the full-size K3 draft's 68 tensors are counted
 abstractly."""

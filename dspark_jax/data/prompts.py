@@ -1,4 +1,4 @@
-"""The distillation prompt pool (DESIGN §6): sources, filtering, JSONL output.
+"""The distillation prompt pool: sources, filtering, JSONL output.
 
 Sources: GSM8K train, MATH train, IFEval prompts (all registry-fetched, sha256-checked), code
 prompts built from the running interpreter's standard-library docstrings, and (on request, not in

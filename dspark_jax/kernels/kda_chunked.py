@@ -1,4 +1,4 @@
-"""KDA delta-rule kernels (spec A.5.3): chunked prefill, and the verify recurrence with snapshots.
+"""KDA delta-rule kernels (docs/architecture.md §1.5.3): chunked prefill, and the verify recurrence with snapshots.
 
 Both take what `kda_reference.kda_chunked` / `kda_recurrent` take (q l2-normalised and scaled, k
 l2-normalised, per-channel log-decay g <= 0, beta, fp32 state [B,H,K,V]) and return the same.
@@ -17,7 +17,7 @@ included); a factorised exp(gc_i) exp(-gc_j) form would overflow. The chunk leng
 own (`chunk`, default 16); the result does not depend on it beyond fp32 rounding.
 
 `kda_recurrent_kernel` (decision: implemented, it pays): the verify step runs T+1 = 8 tokens and
-must keep the state after every token (spec E.2). As an XLA scan each token reads and writes the
+must keep the state after every token (docs/architecture.md §5.2). As an XLA scan each token reads and writes the
 whole fp32 state several times (decay, k^T S, rank-1 update, q^T S, snapshot copy; 96 x 128 x 128
 x 4 B = 6 MiB per sequence per layer, x 69 layers); the kernel reads the state once, keeps it in
 registers and writes each snapshot once, about a quarter of the memory traffic, in one launch.

@@ -1,4 +1,4 @@
-"""The pure-JAX KDA references the KDA kernels reproduce (spec A.5.3): `kda_recurrent` (a scan
+"""The pure-JAX KDA references the KDA kernels reproduce (docs/architecture.md §1.5.3): `kda_recurrent` (a scan
 over tokens: decode / verify, with per-token state snapshots) and `kda_chunked` (the WY-form
 chunkwise parallel algorithm: prefill). `layers.kda` computes with them on CPU; the kernels in
 this package match them on GPU. Everything said to be fp32 is float64 for float64 inputs.

@@ -1,4 +1,4 @@
-"""MLA latent attention read straight from the paged pool (absorbed form; spec E.3/E.4).
+"""MLA latent attention read straight from the paged pool (absorbed form; docs/architecture.md §5.3/§5.4).
 
 Queries are latent (`q_lat = q_nope @ W_UK`, [B,T,N,C]) plus rope parts [B,T,N,R]; keys and
 values are the pool's `[c_kv (C) | k_pe (R)]` rows of one pool row index, addressed through the
@@ -93,7 +93,7 @@ def _kernel(lim_ref, q_lat_ref, q_rope_ref, bt_ref, pages_ref, o_ref, m_ref, l_r
 
     def load(page, off, start, size):
         x = pages_ref[page, pl.ds(off, block_k), pl.ds(start, size)]
-        if x.dtype == FP8:   # static scale (spec E.4): value = fp8 * scale
+        if x.dtype == FP8:   # static scale (docs/architecture.md §5.4): value = fp8 * scale
             x = x.astype(jnp.float32) * FP8_SCALE
         return x.astype(compute_dtype)
 

@@ -1,4 +1,4 @@
-"""Causal flash attention for MLA prefill, expanded form (spec A.5.4: q/k 192 = 128 nope + 64 rope,
+"""Causal flash attention for MLA prefill, expanded form (docs/architecture.md §1.5.4: q/k 192 = 128 nope + 64 rope,
 v 128 at K3 sizes).
 
 Keys are the logical cache rows 0..S-1 expanded per head (k_nope, v = c_kv @ W_UK / W_UV; k_pe is

@@ -1,4 +1,4 @@
-"""The pure-JAX MLA attention references the MLA kernels reproduce (spec A.5.1, C.3): dense
+"""The pure-JAX MLA attention references the MLA kernels reproduce (docs/architecture.md §1.5.1, §3.3): dense
 masked softmax attention over latent rows `[c_kv | k_pe]`, in the expanded form (keys and values
 lifted per head) and the absorbed form (W_UK folded into the queries, W_UV applied last). Scores
 and softmax accumulate in fp32 (float64 for float64 inputs)."""

@@ -1,4 +1,4 @@
-"""Block Attention Residuals mixer (Kimi-K3, spec A.5.2).
+"""Block Attention Residuals mixer (Kimi-K3, docs/architecture.md §1.5.2).
 
 Each layer reads a softmax mixture of the banked block sums and the running partial sum
 (`prefix`) instead of a plain residual stream. Which sums are banked when is the decoder

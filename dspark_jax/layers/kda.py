@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA), the linear-attention layer of Kimi-Linear and Kimi-K3 (spec A.5.3).
+"""Kimi Delta Attention (KDA), the linear-attention layer of Kimi-Linear and Kimi-K3 (docs/architecture.md §1.5.3).
 
 Per head the layer keeps a state S [K, V] (K-first, fp32) updated by a gated delta rule with a
 per-channel decay:  S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S.
@@ -32,7 +32,7 @@ from dspark_jax.layers.linear import Linear
 from dspark_jax.numerics import acc_dtype
 from dspark_jax.params import param
 
-# K3 stores A_log zero-padded to a multiple of this (spec A.3: [128] for 96 heads).
+# K3 stores A_log zero-padded to a multiple of this (docs/architecture.md §1.3: [128] for 96 heads).
 K3_A_LOG_PAD = 128
 
 
@@ -54,7 +54,7 @@ class KDAState(NamedTuple):
 
 
 class KDASnapshots(NamedTuple):
-    """The state AFTER every token t (spec E.2: speculative rollback is picking an index).
+    """The state AFTER every token t (docs/architecture.md §5.2: speculative rollback is picking an index).
 
     conv: [B, T, K-1, 3P];  ssm: [B, T, H, Kdim, Vdim] float32.
     """
@@ -220,7 +220,7 @@ class KimiDeltaAttention(nnx.Module):
         a_log_H = self.A_log.get_value().reshape(-1)[:h]
         g = kda_gate(graw, a_log_H, self.dt_bias.get_value().reshape(h, hd), self.lower_bound)
         b_BTH = self.b_proj(x_BTD)
-        beta = jax.nn.sigmoid(b_BTH.astype(acc_dtype(b_BTH)))          # fp32 beta (spec A.5.3)
+        beta = jax.nn.sigmoid(b_BTH.astype(acc_dtype(b_BTH)))          # fp32 beta (docs/architecture.md §1.5.3)
         if valid_BT is not None:  # g = beta = 0 makes a token the identity on the state
             g = jnp.where(valid_BT[..., None, None], g, 0.0)
             beta = jnp.where(valid_BT[..., None], beta, 0.0)

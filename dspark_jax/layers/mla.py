@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (spec A.5.4 target, C.3 draft, E.4 cache rows).
+"""Multi-head Latent Attention (docs/architecture.md §1.5.4 target, §3.3 draft, §5.4 cache rows).
 
 Per token the layer keeps one latent row `kv_L = [rms(c_kv) (kv_lora) | k_pe (rope)]` (576 wide
 in K3 and the draft); `k_pe` is rotated when the layer has RoPE (draft) and raw otherwise (NoPE
@@ -148,7 +148,7 @@ class MLAttention(nnx.Module):
         o_BTX = o_BTNV.reshape(*o_BTNV.shape[:-2], self.num_heads * self.v_head_dim)
         if self.use_output_gate:
             # gate from the layer input, sigmoid rounded to the param dtype, product in that dtype: the
-            # reference's bf16 `o * sigmoid(g)` (spec A.5.4). torch evaluates a bf16 sigmoid in fp32
+            # reference's bf16 `o * sigmoid(g)` (docs/architecture.md §1.5.4). torch evaluates a bf16 sigmoid in fp32
             # and rounds once; XLA's bf16 logistic rounds after every step (up to 2 bf16 ulps off),
             # so it is evaluated in fp32 here (tests/test_bf16_casts.py)
             g_BTX = self.g_proj(x_BTD)

@@ -1,4 +1,4 @@
-"""Gated (GLU) MLPs: SwiGLU (Kimi-Linear, the draft) and SiTU-GLU (Kimi-K3, spec A.5.5)."""
+"""Gated (GLU) MLPs: SwiGLU (Kimi-Linear, the draft) and SiTU-GLU (Kimi-K3, docs/architecture.md §1.5.5)."""
 
 from __future__ import annotations
 

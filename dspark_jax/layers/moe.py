@@ -1,4 +1,4 @@
-"""Kimi MoE (`block_sparse_moe`, spec A.5.5): sigmoid `noaux_tc` router, routed experts (optionally
+"""Kimi MoE (`block_sparse_moe`, docs/architecture.md §1.5.5): sigmoid `noaux_tc` router, routed experts (optionally
 in a latent width and MXFP4-packed), shared experts.
 
 Routed experts are stored STACKED over experts in the torch layout (`experts.w1.weight [E, I, Din]`,

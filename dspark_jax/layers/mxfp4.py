@@ -1,4 +1,4 @@
-"""MXFP4 weights as compressed-tensors packs them (spec A.4).
+"""MXFP4 weights as compressed-tensors packs them (docs/architecture.md §1.4).
 
 A weight `W[..., out, in]` is stored as two uint8 tensors:
 - `packed[..., out, in/2]`: two E2M1 codes per byte, the LOW nibble is the even column;

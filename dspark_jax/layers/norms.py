@@ -1,4 +1,4 @@
-"""RMSNorm (spec A.5.1): statistics in fp32 (float64 for float64 inputs: parity tests under x64),
+"""RMSNorm (docs/architecture.md §1.5.1): statistics in fp32 (float64 for float64 inputs: parity tests under x64),
 normalised value cast back before the weight."""
 
 from __future__ import annotations

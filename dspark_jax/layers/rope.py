@@ -1,6 +1,6 @@
-"""Rotary position embeddings: plain RoPE and DeepSeek-flavour YaRN (spec C.4).
+"""Rotary position embeddings: plain RoPE and DeepSeek-flavour YaRN (docs/architecture.md §3.4).
 
-Two pairings of the rotary lanes exist and must not be confused (spec C.4, LUMEN §3.1):
+Two pairings of the rotary lanes exist and must not be confused (docs/architecture.md §3.4):
 - interleaved / GPT-J (`interleaved=True`): pairs (x[2i], x[2i+1]); DeepSeek MLA and the DSpark
   draft. The output keeps the interleaved layout, so cached `k_pe` rows match ATOM's
   (`is_neox_style=False`).
@@ -72,7 +72,7 @@ def yarn_inv_freq_and_mscale(rope: RopeScaling, rotary_dim: int) -> tuple[np.nda
 
 def softmax_scale(qk_head_dim: int, rope: RopeScaling | None) -> float:
     """qk_head_dim**-0.5 times YaRN's attention temperature mscale(s, mscale_all_dim)**2
-    (0.13086080 for the K3 draft; omitting the mscale² collapses acceptance, spec C.4)."""
+    (0.13086080 for the K3 draft; omitting the mscale² collapses acceptance, docs/architecture.md §3.4)."""
     scale = qk_head_dim ** -0.5
     if rope is not None and rope.rope_type == "yarn" and rope.mscale_all_dim:
         scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2

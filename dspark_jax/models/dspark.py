@@ -1,4 +1,4 @@
-"""The DSpark block drafter `K3DSparkModel` (spec C; DESIGN §3.2).
+"""The DSpark block drafter `K3DSparkModel` (docs/architecture.md §3).
 
 Sizes come from the draft's config.json, so the same code builds the 68-tensor Kimi-K3 draft and
 small drafts for small targets. The token embedding table and `lm_head` are the TARGET's and are
@@ -39,7 +39,7 @@ from dspark_jax.sampling import markov_draft
 
 
 def block_input_ids(anchor_X: jax.Array, num_tokens: int, mask_token_id: int) -> jax.Array:
-    """The block's input ids `[x0, M x (T-1)]` [..., T] for anchors x0 [...] (spec C.3): one
+    """The block's input ids `[x0, M x (T-1)]` [..., T] for anchors x0 [...] (docs/architecture.md §3.3): one
     definition for serving (`steps.draft_block`), the cacheless reference and training."""
     mask = jnp.full(anchor_X.shape + (num_tokens - 1,), mask_token_id, anchor_X.dtype)
     return jnp.concatenate([anchor_X[..., None], mask], axis=-1)
@@ -69,7 +69,8 @@ class K3DSparkLayer(nnx.Module):
             kv_blk_BTL = attn.latent_kv(a_BTD, positions_BT)
             kv_BSL = jnp.concatenate([kv_ctx_BSL.astype(kv_blk_BTL.dtype), kv_blk_BTL], axis=1)
             b, t = positions_BT.shape
-            # every block row sees the whole block (non-causal, spec C.3) plus its visible context rows
+            # every block row sees the whole block (non-causal, docs/architecture.md §3.3) plus its
+            # visible context rows
             mask_BTS = jnp.concatenate([ctx_mask_BTS, jnp.ones((b, t, t), bool)], axis=2)
             return attn.attend(a_BTD, positions_BT, kv_BSL, mask_BTS, absorbed=absorbed)
 
@@ -118,7 +119,7 @@ class ConfidenceHead(nnx.Module):
 
 
 class K3DSparkModel(nnx.Module):
-    """The DSpark draft. Param paths are the torch tensor names of spec C.2 (minus `embed_tokens`,
+    """The DSpark draft. Param paths are the torch tensor names of docs/architecture.md §3.2 (minus `embed_tokens`,
     which is the target's table and only travels through the converters)."""
 
     def __init__(self, cfg: DraftConfig, *, dtype, rngs: nnx.Rngs):
@@ -253,7 +254,7 @@ class K3DSparkModel(nnx.Module):
         """sigmoid(confidence_logit) in fp32, [B,T]."""
         return jax.nn.sigmoid(self.confidence_logit(h_BTD, prev_ids_BT))
 
-    # -- cacheless reference entry (DESIGN §3.2) ----------------------------------------------
+    # -- cacheless reference entry --------------------------------------------------------------
 
     def block_forward(self, aux_hidden, anchor_token, embed, lm_head, num_speculative_tokens: int = 7
                       ) -> tuple[jax.Array, jax.Array, jax.Array | None]:

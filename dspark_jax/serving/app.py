@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app (FastAPI): `/v1/chat/completions`, `/v1/completions` (SSE
-streaming and not), `/v1/models`, `/health`, `/debug/mtp_stats` (ATOM's schema, spec E.5,
+streaming and not), `/v1/models`, `/health`, `/debug/mtp_stats` (ATOM's schema, docs/architecture.md §5.5,
 cumulative since start), `/metrics` (Prometheus text).
 
 Handlers validate and tokenize, then hand a `Request` to the `EngineWorker` (the model's one

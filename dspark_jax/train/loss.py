@@ -1,4 +1,4 @@
-"""The DSpark distillation objective (spec D), multi-anchor and pure.
+"""The DSpark distillation objective (docs/architecture.md §4), multi-anchor and pure.
 
 Per sequence (B sequences of S tokens, A anchors, block width T, vocabulary V):
 1. anchors: positions a in [0, S-2] with loss_mask[a] & loss_mask[a+1]; up to A of them drawn

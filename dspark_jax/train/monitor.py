@@ -1,4 +1,4 @@
-"""Held-out served acceptance during training (issue 17 item 5): eval, history, learning curve.
+"""Held-out served acceptance during training: eval, history, learning curve.
 
 - `HeldOutEval`: served tok/fwd of the CURRENT draft weights on a small fixed prompt set, through
   the serving path (`dspark_jax.generate`, T=0, chat template for text prompts). The default set

@@ -1,4 +1,4 @@
-"""The target's own answers, generated once and cached (off-policy prefill distillation, spec D).
+"""The target's own answers, generated once and cached (off-policy prefill distillation, docs/architecture.md §4).
 
 Each prompt record `{"id", "source", "messages"}` (the pool of `python -m train.prompts`) is answered
 by the target through `generate()`'s continuous-batching loop with the serving chat template (the

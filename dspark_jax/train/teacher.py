@@ -2,7 +2,7 @@
 
 Both paths hand the loss the same two arrays per sequence: the concatenated aux hidden states of
 the draft's `target_layer_ids` [S, n_aux*H] and the target's post-final-norm hidden state [S, H]
-(spec B, D), computed by the same jitted `teacher_outputs` on right-padded [B, S] batches.
+(docs/architecture.md §2, §4), computed by the same jitted `teacher_outputs` on right-padded [B, S] batches.
 
 Offline shard directory (written once, streamed, resumable, and usable as a LIVE stream: several
 writer processes append shards while one trainer consumes them, through the file system only):

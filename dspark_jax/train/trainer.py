@@ -1,4 +1,4 @@
-"""The distillation trainer (spec D; DESIGN §4): AdamW + warmup/cosine, accumulation, FSDP, Orbax.
+"""The distillation trainer (docs/architecture.md §4): AdamW + warmup/cosine, accumulation, FSDP, Orbax.
 
 - Optimizer: clip_by_global_norm(clip) then AdamW on a warmup + cosine schedule (defaults: peak lr
   5e-5, 4 % linear warmup, cosine to `min_lr_frac * lr`, clip 1.0, TorchSpec's AdamW moments
@@ -8,7 +8,7 @@
   `compute_dtype` (bf16 by default); softmaxes and loss sums in fp32.
 - Global batch = `global_batch` sequences per optimizer step, as `global_batch / micro_batch`
   micro-batches accumulated in one jitted `lax.scan`; gradients of the loss NUMERATORS are summed
-  and divided once by the pooled weight of the whole global batch (spec D.9).
+  and divided once by the pooled weight of the whole global batch (docs/architecture.md §4.9).
 - Frozen: the target's embedding table and lm_head are inputs, not draft parameters.
 - Sharding: every draft parameter and its AdamW moments are placed by `sharding.LOGICAL_RULES` on
   a (data, fsdp, tensor) mesh (default: all devices on "fsdp"); batches split over data x fsdp
@@ -452,7 +452,7 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, stop_at: int
     running total `cpu_seconds`, which survives resumption; with `cpu_budget` the run saves,
     exports and stops at the first step that brings the total to the budget (the equal-CPU-time
     ablations compare runs whose steps cost differently). `time_budget` does the same once this
-    call has run that many wall-clock seconds (a run on a lent machine held for a fixed time)."""
+    call has run that many wall-clock seconds (a run on a machine available for a fixed time)."""
     cfg = trainer.cfg
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""Warm start: initialise a DSpark draft from its target where shapes allow (issue 17 item 3).
+"""Warm start: initialise a DSpark draft from its target where shapes allow.
 
-After SpecForge's kan-ablations (shared/spec/field-notes.md, "Warm start"): a draft initialised
+After SpecForge's kan-ablations ("Warm start"): a draft initialised
 from target layers reached train accuracy 0.45 where random init had 0.05-0.19 after the same
 940 steps. Whether it helps OUR drafts is an open measurement (README, training section: the
 warm-vs-random ablation at equal CPU time); nothing here claims it does.
