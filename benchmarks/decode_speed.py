@@ -4,8 +4,9 @@
     python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
     python -m benchmarks.decode_speed --steps_only --random_weights --model dspark_jax/configs/smollm2-135m.json
 
-Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio (of the best rounds, and
-the median of the ratios within each round), tok/fwd, and the draft's
+Each variant first runs once untimed over the same batches (compiling every program the timed
+rounds meet). Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio (of the
+best rounds, and the median of the ratios within each round), tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
 tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it), and the
 wall time per decode step inside the compiled step (dispatch + wait) and outside it (prefill, the
@@ -122,8 +123,9 @@ def main(argv):
         for rnd, (name, d, sched, off) in ((r, v) for r in range(_ROUNDS.value) for v in variants):
             run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
                                       confidence_schedule=sched, speculative_disable_by_batch_size=off)
-            if rnd == 0:
-                run(prompts[:b])           # warm-up compiles every shape this run uses
+            if rnd == 0:                   # an untimed pass over the same batches compiles every
+                for i in range(0, len(prompts), b):    # program (span bucket) the timed rounds meet
+                    run(prompts[i:i + b])
             produced, elapsed, stats = 0, 0.0, None
             clock.reset()
             steps.reset()
@@ -149,10 +151,10 @@ def main(argv):
                 row[f"{name}_drafts_verified_per_step"] = (stats["total_draft_tokens"]
                                                            / max(stats["num_verify_steps"], 1))
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
-        # this VM's speed drifts by tens of percent within minutes, and the best rounds of two
-        # variants may come from different spells: the ratio within each round (the variants run
-        # back to back) is the steadier figure. Rounds that compiled (the first meets the span
-        # buckets of prompts the warm-up did not have) are left out while any other is left.
+        # a virtual machine's speed can drift by tens of percent within minutes, and the best rounds
+        # of two variants may come from different spells: the ratio within each round (the variants
+        # run back to back) is the steadier figure. Rounds that still compiled are left out while
+        # any other is left.
         rounds = list(zip(row["speculative_tokens_per_s_by_round"], row["plain_tokens_per_s_by_round"],
                           row["speculative_compile_s_by_round"], row["plain_compile_s_by_round"]))
         clean = [r for r in rounds if r[2] < 0.1 and r[3] < 0.1]
