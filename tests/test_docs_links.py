@@ -75,7 +75,7 @@ def test_docs_links_and_modules_resolve():
 
 def test_the_checker_catches_planted_failures():
     doc = ROOT / "docs" / "planted.md"
-    text = ("See [the profile](profile.md), [the card](img/card-v31.png#top) and [README](../README.md#usage).\n"
+    text = ("See [the profile](profile.md), [the card](img/demo-draft-card.png#top) and [README](../README.md#usage).\n"
             "An [anchor](#benchmarks), a [site](https://example.com/x.md) and [mail](mailto:a@b.c).\n"
             "A [missing page](no-such-page.md) and ![a missing image](img/none.png).\n"
             "`[not a link](in-a-code-span.md)`\n"
