@@ -27,7 +27,7 @@ from absl import app, flags
 from flax import nnx
 
 from dspark_jax.config import KimiConfig, load_config
-from dspark_jax.layers.moe import TILE_ROWS, MoE, route
+from dspark_jax.layers.moe import MoE, route
 from dspark_jax.plan import resolve_config_path
 
 _TOKENS = flags.DEFINE_integer("tokens", 1024, "tokens of one layer call")
@@ -35,9 +35,9 @@ _TOP_K = flags.DEFINE_integer("top_k", 2, "experts per token")
 _FEW = flags.DEFINE_integer("few", 2, "expert count of the small layer")
 _MANY = flags.DEFINE_integer("many", 128, "expert count of the large layer")
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "model width")
-_LATENT = flags.DEFINE_integer("latent", 128, "routed_expert_hidden_size (K3: hidden / 2); 0: none")
+_LATENT = flags.DEFINE_integer("latent", 0, "routed_expert_hidden_size (K3: hidden / 2); 0: the experts read "
+                                "the hidden state")
 _WIDTH = flags.DEFINE_integer("expert_width", 256, "moe_intermediate_size")
-_TILE = flags.DEFINE_integer("tile_rows", TILE_ROWS, "rows per expert tile of the routed path")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed calls per variant (after one warm-up call)")
 _K3_TOKENS = flags.DEFINE_integer("k3_tokens", 4096, "tokens of the Kimi-K3 prefill chunk counted")
 _K3_DEVICES = flags.DEFINE_integer("k3_devices", 8, "expert-parallel devices of the Kimi-K3 count")
@@ -60,16 +60,18 @@ def _layer_config(num_experts: int) -> KimiConfig:
         linear_attn_config=dict(num_heads=1, head_dim=8, kda_layers=[1], full_attn_layers=[2])))
 
 
-def _best_times(calls) -> list[float]:
-    """Fastest of `iters` runs per call, runs interleaved so load drift hits all alike."""
+def _best_times(calls) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of the fastest of `iters` runs per call, runs interleaved so load
+    drift hits all alike. CPU time adds up XLA's threads and is steadier on a shared host."""
     for call in calls:
         jax.block_until_ready(call())             # compile + warm-up
-    best = [float("inf")] * len(calls)
+    best = [(float("inf"), float("inf"))] * len(calls)
     for _ in range(_ITERS.value):
         for i, call in enumerate(calls):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(call())
-            best[i] = min(best[i], time.perf_counter() - t0)
+            run = (time.perf_counter() - t0, time.process_time() - c0)
+            best[i] = tuple(min(a, b) for a, b in zip(best[i], run))
     return best
 
 
@@ -89,11 +91,13 @@ def time_layers() -> None:
     print(f"one MoE layer: {_TOKENS.value} tokens x top-{_TOP_K.value} = {pairs} routed pairs; hidden "
           f"{_HIDDEN.value}, latent {_LATENT.value or 'none'}, experts {_WIDTH.value} wide, MXFP4, 2 shared "
           f"experts, float32, jitted, best of {_ITERS.value}; device {jax.devices()[0].device_kind}")
+    ms = lambda t: f"{t[0] * 1e3:8.2f} ms ({t[1] * 1e3:8.2f} ms CPU)"
     for n_exp, routed, dense in ((_FEW.value, routed_few, dense_few), (_MANY.value, routed_many, dense_many)):
-        print(f"  {n_exp:4d} experts ({touched[n_exp]:4d} touched): routed {routed * 1e3:8.2f} ms   "
-              f"dense loop {dense * 1e3:9.2f} ms")
-    print(f"  {_MANY.value} / {_FEW.value} experts: routed {routed_many / routed_few:.2f}x (goal <= 2.0x), "
-          f"dense loop {dense_many / dense_few:.2f}x")
+        print(f"  {n_exp:4d} experts ({touched[n_exp]:4d} touched): routed {ms(routed)}   dense loop {ms(dense)}")
+    ratio = lambda a, b: f"{a[0] / b[0]:.2f}x ({a[1] / b[1]:.2f}x CPU)"
+    print(f"  {_MANY.value} / {_FEW.value} experts: routed {ratio(routed_many, routed_few)} (goal <= 2.0x), "
+          f"dense loop {ratio(dense_many, dense_few)}")
+    print(f"  routed / dense loop at {_MANY.value} experts: {ratio(routed_many, dense_many)}")
 
 
 def count_k3_flops() -> None:

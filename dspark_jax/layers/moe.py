@@ -10,6 +10,13 @@ each touched expert multiplies only its own token rows, so the work is the route
 the expert count. With a "tensor" mesh axis > 1 that divides E, experts are sharded (EP) and a
 `shard_map` runs each device's local experts on the pairs routed to them, then `psum`s the partial
 outputs. `dense_expert_mixture` (every touched expert over every token) is the reference.
+
+Memory: one expert's weights are decoded at a time. At Kimi-K3's widths (Din 3584, I 3072) that is
+3 x 3072 x 3584 values, 63 MiB in bf16 (126 MiB in float32), beside the [N, Din] float32
+accumulator and the N*K sorted pair indices; a grouped GEMM over all 112 local experts of an EP-8
+device at once would hold 6.9 GiB of decoded bf16 weights per layer. `jax.lax.ragged_dot` is not
+used: besides needing every group's weights decoded at once, JAX lowers it on CPU to a dense product
+over all groups (benchmarks/moe_routed.py prints its FLOPs).
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ def _expert_matrices(w1: tuple[jax.Array, ...], w3: tuple[jax.Array, ...], w2: t
 
 
 def _times_transposed(x_RK: jax.Array, w: tuple[jax.Array, ...]) -> jax.Array:
-    """`x @ W.T` for a weight from `_expert_matrix` (MXFP4: the even and odd halves of the depth)."""
+    """`x @ W.T` for a weight from `_expert_matrices` (MXFP4: the even and odd halves of the depth)."""
     if len(w) == 1:
         return jnp.einsum("rk,ok->ro", x_RK, w[0])
     # both halves accumulate in float32 and the sum is rounded once, as one product's would be

@@ -34,8 +34,8 @@ def e8m0_to_f32(scales_u8: jax.Array) -> jax.Array:
 def e2m1_to_f32(codes: jax.Array) -> jax.Array:
     """E2M1 nibble codes (int32, 0..15) -> float32, built from the bits: sign s, exponent e, mantissa m
     give 2**(e-1) * (1 + m/2) for e > 0 and m/2 for e = 0, i.e. float32 exponent field 126 + e and top
-    mantissa bit m (0.5 for e = 0, m = 1). Elementwise integer ops: on CPUs several times faster than
-    a table lookup (a gather), and the same values as `E2M1_VALUES`, negative zero included."""
+    mantissa bit m (0.5 for e = 0, m = 1). Elementwise integer ops that fuse with the scaling (no
+    table gather); the same values as `E2M1_VALUES`, negative zero included."""
     e, m = (codes >> 1) & 3, codes & 1
     bits = jnp.where(e == 0, m * (126 << 23), ((126 + e) << 23) | (m << 22)) | ((codes & 8) << 28)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -46,9 +46,9 @@ def mxfp4_planes(packed_u8: jax.Array, scales_u8: jax.Array, dtype=jnp.bfloat16)
     of the weight (`W[..., 0::2]`, `W[..., 1::2]`), each `[..., out, in/2]` in `dtype`.
 
     The two planes are left apart: a product by W is the sum of the two half-depth products with
-    the even and odd columns of the other operand, and interleaving them into one `[..., out, in]`
-    array is what costs on CPUs (XLA:CPU took ~35x as long for the interleaved weight as for the
-    two planes on an AMD EPYC, AVX-512 BF16, no AMX, 2 cores, Dec 2026)."""
+    the even and odd columns of the other operand, while interleaving them into one
+    `[..., out, in]` array does not fuse on XLA:CPU and costs several times the decode itself
+    (`mxfp4_dequantize` does it, for the tests)."""
     *lead, half = packed_u8.shape
     groups = scales_u8.shape[-1]
     if scales_u8.shape[:-1] != tuple(lead) or half % groups:
