@@ -270,11 +270,11 @@ def test_routed_expert_sum_rounds_to_bf16_before_norm(monkeypatch):
     w1, w3, w2 = (_selection(rng, n_exp, inter, d), _selection(rng, n_exp, inter, d), _selection(rng, n_exp, d, inter))
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         getattr(moe.experts, name).weight.set_value(jnp.asarray(w, BF16))
-    mix = Recorder(monkeypatch, moe_lib, "expert_mixture")          # z, combine -> fp32 sum
+    mix = Recorder(monkeypatch, moe_lib, "expert_mixture")          # z, expert ids, weights -> fp32 sum
     norm = Recorder(monkeypatch, norms_lib, "rms_norm")             # what routed_expert_norm receives
     x = _bf16_normal(rng, (2, 12, d))
     moe(x)
-    z, combine = mix.calls[0][0][:2]
+    z, routed_idx = mix.calls[0][0][:2]
     y32 = mix.calls[0][2]
     norm_in = norm.calls[0][0][0]
 
@@ -294,7 +294,7 @@ def test_routed_expert_sum_rounds_to_bf16_before_norm(monkeypatch):
     idx = order[:, :top_k]
     wts = np.take_along_axis(scores, idx, -1)
     wts = wts / wts.sum(-1, keepdims=True)
-    assert np.array_equal(np.sort(idx, -1), np.sort(np.argsort(-f64(combine), -1)[:, :top_k], -1))
+    assert np.array_equal(np.sort(idx, -1), np.sort(np.asarray(routed_idx), -1))
     z64 = f64(z)
     y_lo = np.zeros_like(z64)
     y_hi = np.zeros_like(z64)
