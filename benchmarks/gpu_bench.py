@@ -13,7 +13,7 @@ failure or a hang costs that stage only, and every stage fits in what is left of
               measured crossover for `auto` (gpu_kernel_check --crossover)
   steps_demo  one-token step, verify of T+1 tokens and the draft's block pass, batch 1/8/32, bf16,
               kernels `auto` and `off`: SmolLM2-135M built from its config with random weights and
-              the shipped demo draft (benchmarks.steps_timing.step_costs)
+              the shipped demo draft (dspark_jax.bench.steps_timing.step_costs)
   steps_k3    the same for a K3-width slice: Kimi-K3's first 4 layers at full width (hidden 7168,
               MLA 96 heads with 512 + 64 latent rows, 3 KDA layers of 96 x 128, 1 dense MLP and
               3 MoE layers of 896 MXFP4 experts, top-16, latent 3584 x 3072, 2 shared experts; the
@@ -183,14 +183,14 @@ def _backend(allow_cpu: bool = False) -> dict:
 def worker_steps(which: str, emit) -> None:
     import jax.numpy as jnp
 
-    from benchmarks import steps_timing as st
+    from dspark_jax.bench import steps_timing as st
     from dspark_jax.kernels.dispatch import use_kernels
 
     data = _backend()
     dtype = jnp.dtype(ARGS.dtype)
     t0 = time.perf_counter()
     if which == "demo":
-        from dspark_jax.serving.models import load_draft_spec
+        from dspark_jax.serving.pair import load_draft_spec
         target = st.random_target(ARGS.demo_config, dtype)
         draft = load_draft_spec(ARGS.demo_draft, target)
         page = 16
@@ -258,7 +258,7 @@ def _demo_target() -> Path:
 
 def _prompts(target_dir: Path):
     """(token ids of the first --num_prompts GSM8K test questions with the chat template, eos ids)."""
-    from dspark_jax.data.benchmarks import load_gsm8k
+    from dspark_jax.data.eval_sets import load_gsm8k
     from dspark_jax.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target_dir)

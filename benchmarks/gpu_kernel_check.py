@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.crossover import auto_choice, crossover_report
+from dspark_jax.bench.crossover import auto_choice, crossover_report
 from dspark_jax.cache import FP8
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_reference, multi_anchor_kernel,

