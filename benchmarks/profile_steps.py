@@ -25,6 +25,9 @@ head, acceptance), other. Op time is the exclusive duration of the instruction e
 events are subtracted from their parents) divided by the number of calls; `runtime` is the part of
 the wall time no instruction event covers (dispatch, argument handling, executor overhead). Prints a
 table (ms per call and % of the wall time per group per program) and writes JSON.
+
+One file although it is a little over 450 lines: the trace reading and the op grouping serve this
+program only.
 """
 
 from __future__ import annotations

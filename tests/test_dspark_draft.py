@@ -30,7 +30,7 @@ from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig, yarn_mscale
 from dspark_jax.layers.rope import yarn_correction_range
 from dspark_jax.params import flat_params
-from tests.draft_utils import METADATA, TINY, draft_inputs, make_torch_draft
+from tests.draft_utils import METADATA, draft_inputs, make_torch_draft
 from tests.float64 import TABLE_ULPS, TorchFloat64, assert_close, ulps, x64
 from tests.torch_ref_dspark import DSparkDraftRef, yarn_tables
 

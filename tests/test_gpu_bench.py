@@ -170,7 +170,7 @@ def _run_tiny(tiny_pair, tmp_path, stages: str, *extra: str) -> tuple[dict, str,
         bos_token_id=1, eos_token_id=2)))
     out = tmp_path / "out"
     proc = _bench(["--out", str(out), "--stages", stages, "--tiny", "--demo_target", str(target), "--state_dir",
-                   str(tmp_path / "state"), "--no-compile_cache", "--dtype", "float32", "--demo_config",
+                   str(tmp_path / "state"), "--nocompile_cache", "--dtype", "float32", "--demo_config",
                    str(demo_cfg), "--demo_draft", str(draft), "--budget_s", "800", "--min_stage_s", "1", *extra])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -228,7 +228,7 @@ def test_failures_hangs_skips_and_the_budget(tmp_path):
     state = tmp_path / "state"
     out = tmp_path / "out"
     proc = _bench(["--out", str(out), "--tiny", "--demo_target", str(missing), "--state_dir", str(state),
-                   "--no-compile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
+                   "--nocompile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
                    str(ROOT / "dspark_jax" / "configs" / "smollm2-135m-dspark.json"),
                    "--stage_timeouts", "steps_k3=4", "--min_stage_s", "1", "--budget_s", "300"])
     assert proc.returncode == 1, proc.stdout[-4000:]                          # an error and a timeout
