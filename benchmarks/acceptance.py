@@ -32,9 +32,10 @@ from pathlib import Path
 
 from absl import app, flags
 
+from dspark_jax.serving import pair_flags
 from dspark_jax.stats import paired_difference
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target directory or preset.")
+_MODEL = pair_flags.define_model("smollm2-135m")
 _DRAFTS = flags.DEFINE_list("drafts", ["smollm2-135m-dspark", "untrained"],
                             "Drafts: directories, presets, or `untrained[:CONFIG.json]`.")
 _GSM8K = flags.DEFINE_integer("gsm8k", 60, "GSM8K test prompts (the first N).", lower_bound=0)
@@ -44,7 +45,8 @@ _T = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step."
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Prompts per generate() call.", lower_bound=1)
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (with --temperature > 0).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
+_DTYPE = pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target dtype.")
+pair_flags.define_tp()
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
 _COMPARE = flags.DEFINE_list("compare", None, "Result files (--output_json) to compare, the first as the "
                              "baseline; loads no model.")
@@ -97,12 +99,14 @@ def main(argv):
     del argv
     if _COMPARE.value:
         return _compare(_COMPARE.value)
+    pair_flags.require_one_device("benchmarks.acceptance")
     import jax.numpy as jnp
     import numpy as np
 
-    from dspark_jax import generate, load_target
-    from dspark_jax.data.benchmarks import load_gsm8k, load_mt_bench
-    from dspark_jax.serving.models import load_draft_spec
+    from dspark_jax import load_target
+    from dspark_jax.acceptance import measure_acceptance
+    from dspark_jax.data.eval_sets import load_gsm8k, load_mt_bench
+    from dspark_jax.serving.pair import load_draft_spec
 
     target = load_target(_MODEL.value, dtype=jnp.dtype(_DTYPE.value))
     sets = {}
@@ -121,33 +125,26 @@ def main(argv):
             in_vocab[np.asarray(kept)] = True
         row = {"draft": spec}
         for name, prompts in sets.items():
-            steps_n = accepted = drafted = produced = covered = 0
-            at_pos = [0.0] * _T.value           # drafts accepted at position k, summed over calls
-            per_prompt = []                     # each prompt's tok/fwd: where the draft fails
-            per_steps, per_accepted = [], []    # and its counts, for paired comparisons
             t0 = time.time()
-            for i in range(0, len(prompts), _BATCH.value):
-                st = generate(target, draft, prompts[i:i + _BATCH.value], max_new_tokens=_NEW.value,
-                              num_speculative_tokens=_T.value, temperature=_TEMP.value, seed=_SEED.value)
-                produced += sum(len(o.token_ids) for o in st.outputs)
-                per_prompt += [o.stats["average_tokens_per_forward"] for o in st.outputs]
-                per_steps += [o.stats["num_verify_steps"] for o in st.outputs]
-                per_accepted += [o.stats["total_accepted_tokens"] for o in st.outputs]
-                covered += sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in st.outputs)
-                st = st.stats
-                steps_n += st["num_verify_steps"]
-                accepted += st["total_accepted_tokens"]
-                drafted += st["total_draft_tokens"]
-                at_pos = [a + p * st["num_verify_steps"] for a, p in zip(at_pos, st["per_position_acceptance"])]
-                print(f"  {spec} {name}: {min(i + _BATCH.value, len(prompts))}/{len(prompts)} prompts, "
-                      f"tok/fwd so far {1 + accepted / steps_n:.3f}", flush=True)
+
+            def progress(done: int, run) -> None:     # after every batch: called inside this loop
+                print(f"  {spec} {name}: {done}/{len(prompts)} prompts, tok/fwd so far "
+                      f"{run.stats.to_dict()['average_tokens_per_forward']:.3f}", flush=True)
+            run = measure_acceptance(target, draft, prompts, max_new_tokens=_NEW.value,
+                                     num_speculative_tokens=_T.value, batch_size=_BATCH.value,
+                                     temperature=_TEMP.value, seed=_SEED.value, on_batch=progress)
+            st = run.stats.to_dict()
+            produced = run.generated_tokens
+            covered = sum(int(in_vocab[np.asarray(o.token_ids, np.int64)].sum()) for o in run.outputs)
             row[name] = {"prompts": len(prompts), "generated_tokens": produced, "wall_s": time.time() - t0,
-                         "num_verify_steps": steps_n, "tok_per_fwd": 1 + accepted / steps_n,
-                         "acceptance_rate": accepted / drafted,
+                         "num_verify_steps": st["num_verify_steps"], "tok_per_fwd": st["average_tokens_per_forward"],
+                         "acceptance_rate": st["acceptance_rate"],
                          "draft_vocab_coverage": covered / produced,
-                         "per_position_acceptance": [a / steps_n for a in at_pos],
-                         "per_prompt_tok_per_fwd": per_prompt, "per_prompt_verify_steps": per_steps,
-                         "per_prompt_accepted": per_accepted}
+                         "per_position_acceptance": st["per_position_acceptance"],
+                         # each prompt's tok/fwd (where the draft fails) and its counts (paired comparisons)
+                         "per_prompt_tok_per_fwd": [o.stats["average_tokens_per_forward"] for o in run.outputs],
+                         "per_prompt_verify_steps": [o.stats["num_verify_steps"] for o in run.outputs],
+                         "per_prompt_accepted": [o.stats["total_accepted_tokens"] for o in run.outputs]}
         results.append(row)
     _print_table(results, list(sets))
     if _JSON.value:

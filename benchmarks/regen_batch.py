@@ -23,9 +23,12 @@ from pathlib import Path
 
 from absl import app, flags
 
+from dspark_jax.serving import pair_flags
+
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompt pool JSONL (`python -m train.prompts`).")
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target directory or preset.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
+_MODEL = pair_flags.define_model("smollm2-135m")
+_DTYPE = pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target dtype.")
+pair_flags.define_tp()
 _BATCHES = flags.DEFINE_list("batch_sizes", ["8", "16", "32", "64"], "Batch sizes to measure.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Timed prompts = rounds x batch size.", lower_bound=1)
@@ -37,15 +40,16 @@ def main(argv):
     del argv
     import jax.numpy as jnp
 
-    from benchmarks.steps_timing import CompileClock
     from dspark_jax import load_target
     from dspark_jax.batcher import Batcher, Request, pow2
+    from dspark_jax.bench.steps_timing import CompileClock
     from dspark_jax.engine_config import EngineConfig
     from dspark_jax.generate import encode_prompt, engine_for, eos_ids
     from dspark_jax.presets import resolve_model_path
     from dspark_jax.tokenizer import load_tokenizer
     from dspark_jax.train import regen
 
+    pair_flags.require_one_device("benchmarks.regen_batch")
     path = resolve_model_path(_MODEL.value)
     target = load_target(path, dtype=jnp.dtype(_DTYPE.value))
     tok = load_tokenizer(path)

@@ -48,8 +48,8 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.steps_timing import CompileClock
     from dspark_jax.api import load_target
+    from dspark_jax.bench.steps_timing import CompileClock
     from dspark_jax.checkpoint.draft_io import load_draft
     from dspark_jax.presets import resolve_model_path
     from dspark_jax.train import regen, teacher

@@ -37,6 +37,16 @@ class SpecStats:
         self.distribution = [a + b for a, b in zip(self.distribution, other.distribution)]
         self.accepted_at_position = [a + b for a, b in zip(self.accepted_at_position, other.accepted_at_position)]
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecStats":
+        """The statistics a `to_dict()` holds (a request's `stats` in `generate()`'s outputs)."""
+        steps_n = d["num_verify_steps"]
+        distribution = [d["distribution"][str(i)] for i in range(len(d["distribution"]))]
+        # per-position acceptance is a count over the verify steps: the product is an integer
+        at_position = [round(p * steps_n) for p in d["per_position_acceptance"]]
+        return cls(len(distribution) - 1, d["total_draft_tokens"], d["total_accepted_tokens"], distribution,
+                   at_position, d.get("num_plain_steps", 0))
+
     def to_dict(self) -> dict:
         steps_n = sum(self.distribution)
         return {

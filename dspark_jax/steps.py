@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
 from dspark_jax.layers.kda import KDASnapshots
 from dspark_jax.models.dspark import block_input_ids
-from dspark_jax.models.outputs import ForwardOutput
+from dspark_jax.models.target import ForwardOutput
 from dspark_jax.sampling import filter_logits, markov_draft
 
 
@@ -31,7 +31,7 @@ def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_
                    weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                    ) -> tuple[ForwardOutput, TargetCaches, KDASnapshots | None]:
     """Run T tokens per sequence at their positions through the target with caches (every target
-    family's `forward_cached`, models/outputs.py `TargetLM`).
+    family's `forward_cached`, models/target.py `TargetLM`).
 
     Prefill (`verify=False`): KDA in chunked form, states advance past the valid tokens.
     Verify (`verify=True`): KDA in recurrent form returning one snapshot per token (stacked over

@@ -16,11 +16,9 @@ from dspark_jax import (
     distributed,  # also defines --coordinator_address, --num_processes, --process_id
     engine_config,
 )
+from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Target directory or preset (default: smollm2-135m).")
-flags.DEFINE_string("draft_model", None, "Draft directory or preset (default: smollm2-135m-dspark); 'none' "
-                    "for plain decoding, 'untrained[:CONFIG.json]' for a random draft.")
 flags.DEFINE_string("prompt", "Explain in two sentences why the sky is blue.",
                     "The prompt (a user turn when --chat).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.", lower_bound=1)
@@ -29,8 +27,7 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold in (0, 1].")
 flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat template.")
 flags.DEFINE_list("stop", None, "Stop strings.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("dtype", "auto", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
-flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.", lower_bound=1)
+pair_flags.define_flags()       # --model, --draft_model, --dtype, --tp
 flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
                   "each step verifies (docs/architecture.md §5.6; default step-cost model).")
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
@@ -42,7 +39,7 @@ def main(argv) -> None:
     del argv
     from dspark_jax.errors import RequestError
     from dspark_jax.generate import generate
-    from dspark_jax.serving.models import describe, load_pair
+    from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import format_mtp_stats
 
     try:
@@ -52,7 +49,7 @@ def main(argv) -> None:
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, dtype=FLAGS.dtype)
+    pair = pair_flags.load_pair()
     for line in describe(pair, config):
         log.info(line)
     res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,

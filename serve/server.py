@@ -16,13 +16,10 @@ from dspark_jax import (
     distributed,  # also defines --coordinator_address, --num_processes, --process_id
     engine_config,
 )
+from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Target: HF-layout or Orbax directory, or a preset (default: smollm2-135m).")
-flags.DEFINE_string("draft_model", None, "DSpark draft directory or preset (default: smollm2-135m-dspark); "
-                    "'none' for plain decoding, 'untrained[:CONFIG.json]' for a random draft.")
-flags.DEFINE_enum("dtype", "auto", list(engine_config.DTYPE_CHOICES), engine_config.DTYPE_HELP)
-flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices in the mesh).", lower_bound=1)
+pair_flags.define_flags()       # --model, --draft_model, --dtype, --tp
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs, ...
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes the server to the network).")
 flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0)
@@ -49,7 +46,7 @@ def main(argv) -> None:
     from dspark_jax.errors import RequestError
     from dspark_jax.generate import eos_ids
     from dspark_jax.serving.app import ServerConfig, create_app
-    from dspark_jax.serving.models import describe, load_pair
+    from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import EngineWorker
 
     try:
@@ -67,7 +64,7 @@ def main(argv) -> None:
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     logging.getLogger("dspark_jax").setLevel(logging.INFO)
-    pair = load_pair(FLAGS.model, FLAGS.draft_model, tp=FLAGS.tp, dtype=FLAGS.dtype)
+    pair = pair_flags.load_pair()
     if pair.tokenizer is None:
         raise app.UsageError(f"{pair.target_name}: no tokenizer found beside the model")
     draft, config = config.for_pair(pair.draft)

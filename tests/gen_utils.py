@@ -70,7 +70,7 @@ def tiny_draft(target, seed: int = 1, layer_ids=(0, 2), markov_rank: int = 8,
     draft = K3DSparkModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     randomize(draft, seed)
     if kept_ids is not None:
-        from dspark_jax.checkpoint.draft_layout import set_vocab_map
+        from dspark_jax.models.draft_surgery import set_vocab_map
         set_vocab_map(draft, kept_ids)
     return draft
 
@@ -104,3 +104,16 @@ def answer_samples(target, max_new_tokens: int, n: int = 8, seed: int = 0) -> li
         mask[len(p):] = True
         out.append(Sample(f"s{i}", ids, mask))
     return out
+
+
+def same_tokens(plain, spec) -> None:
+    """Every prompt's speculative output is the plain greedy output, token for token."""
+    for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
+        assert a.token_ids == b.token_ids, f"prompt {i}: speculative output differs from plain greedy"
+
+
+def chi2_pvalue(counts, probs) -> float:
+    """Pearson's chi-square p-value of observed `counts` against the distribution `probs`."""
+    import scipy.stats
+    probs = np.asarray(probs, np.float64)
+    return scipy.stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue

@@ -1,6 +1,7 @@
 """benchmarks.acceptance on the real target and the shipped draft (a few prompts, few tokens): the
 JSON's aggregate tok/fwd, per position and per prompt agree with each other; the paired comparison
-of two drafts' results (`--compare`) on rows made here."""
+of two drafts' results (`--compare`) on rows made here; the measurement itself
+(dspark_jax/acceptance.py) on a tiny pair."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_jax.stats import paired_difference
+from dspark_jax.stats import SpecStats, paired_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,3 +100,36 @@ def test_compare_reads_separate_result_files_without_a_model(tmp_path):
     res = subprocess.run([sys.executable, "-m", "benchmarks.acceptance", f"--compare={a},{b}"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode != 0 and "has no per_prompt_verify_steps" in res.stderr
+
+
+def test_measure_acceptance_keeps_each_prompts_statistics():
+    """`measure_acceptance` (the card's, the benchmark's and the training monitor's measurement):
+    every prompt's statistics are its own generate() call's at T=0 whatever the batch, and the
+    aggregate merges them."""
+    from dspark_jax.acceptance import measure_acceptance
+    from dspark_jax.generate import generate
+    from tests.gen_utils import prompts, tiny_draft, tiny_llama
+
+    target = tiny_llama(0)
+    draft = tiny_draft(target, 1)
+    ps = prompts(5, target.cfg.vocab_size, seed=3)
+    done = []
+    run = measure_acceptance(target, draft, ps, max_new_tokens=10, num_speculative_tokens=4, batch_size=2,
+                             on_batch=lambda n, r: done.append((n, len(r.outputs))))
+    assert done == [(2, 2), (4, 4), (5, 5)]
+    total = SpecStats(4)
+    for p, out, stats in zip(ps, run.outputs, run.per_prompt):
+        alone = generate(target, draft, [p], max_new_tokens=10, num_speculative_tokens=4).outputs[0]
+        assert out.token_ids == alone.token_ids and out.stats == alone.stats == stats.to_dict()
+        total.merge(stats)
+    assert run.stats.to_dict() == total.to_dict() and run.stats.to_dict()["num_verify_steps"] > 0
+    assert run.generated_tokens == sum(len(o.token_ids) for o in run.outputs)
+
+
+def test_spec_stats_read_back_from_their_dict():
+    stats = SpecStats(3)
+    for n, verified in ((0, 3), (2, 3), (3, 3), (1, 2)):
+        stats.update(n, verified)
+    stats.plain_steps = 2
+    back = SpecStats.from_dict(stats.to_dict())
+    assert back == stats and SpecStats.from_dict(SpecStats(0).to_dict()) == SpecStats(0)

@@ -12,14 +12,13 @@ import torch
 
 from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
-from dspark_jax.checkpoint.draft_layout import add_layers
+from dspark_jax.models.draft_surgery import add_layers
+from tests.draft_utils import KEPT_TINY, TINY, draft_inputs, make_reduced_torch_draft
 from tests.float64 import assert_close, rel_err, x64
-from tests.test_draft_vocab import KEPT_TINY, make_reduced_torch_draft
-from tests.test_dspark_draft import TINY, _inputs
 
 
 def _block(draft, seed: int):
-    aux, lm_head = _inputs(seed)
+    aux, lm_head = draft_inputs(seed)
     embed = np.random.default_rng(seed + 1).standard_normal((96, TINY["hidden_size"]))
     logits, tokens, conf = draft.block_forward(aux.astype(np.float64), 17, embed, lm_head.astype(np.float64))
     return np.asarray(logits), np.asarray(tokens), np.asarray(conf)

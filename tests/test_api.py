@@ -9,7 +9,7 @@ import pytest
 
 from dspark_jax import api, load_draft, numerics
 from dspark_jax.hostinfo import describe_cpu
-from dspark_jax.serving.models import resolve_dtype as flag_dtype
+from dspark_jax.serving.pair import resolve_dtype as flag_dtype
 from tests.serve_utils import write_tiny_draft
 
 

@@ -108,7 +108,7 @@ def test_drafts_with_different_maps_average_once_moved_to_one_vocabulary(target,
     """`draft_vocab` (`train.average --draft_vocab`): a full draft and a reduced one average on one
     map; each is moved first (`remap_vocabulary`: the Markov rows of the ids it held, zero rows for
     the others), then the mean rounded once. The program reads the map from a train.vocab file."""
-    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+    from dspark_jax.models.draft_surgery import remap_vocabulary
     full = _save(target, 1, tmp_path / "full", kept=None)
     reduced = _save(target, 2, tmp_path / "reduced")                  # KEPT: even ids and 95
     new = sorted(set(range(0, 96, 3)) | {95})                          # shares some ids with KEPT

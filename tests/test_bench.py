@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from dspark_jax import load_draft, load_target
-from dspark_jax.data.benchmarks import load_benchmark
+from dspark_jax.data.eval_sets import load_benchmark
 from dspark_jax.generate import generate
-from dspark_jax.serving import bench
+from dspark_jax.serving import card
 from tests.serve_utils import write_tiny_draft, write_tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,15 +118,15 @@ def test_bench_default_models(smollm2_dir, tmp_path):
 
 
 def test_benchmark_names_and_tables():
-    assert bench.resolve_benchmarks(["GSM8K", "mtbench", "aime26", "gsm8k"]) == ["gsm8k", "mt_bench", "aime"]
+    assert card.resolve_benchmarks(["GSM8K", "mtbench", "aime26", "gsm8k"]) == ["gsm8k", "mt_bench", "aime"]
     with pytest.raises(ValueError, match="unknown benchmark 'mmlu'"):
-        bench.resolve_benchmarks(["mmlu"])
-    stats = bench.SpecStats(7)
+        card.resolve_benchmarks(["mmlu"])
+    stats = card.SpecStats(7)
     for n in (7, 0, 3, 2):
         stats.update(n)
-    r = bench.BenchResult("gsm8k", 4, stats)
+    r = card.BenchResult("gsm8k", 4, stats)
     assert r.tok_per_fwd == pytest.approx(1 + 12 / 4) and r.acceptance_rate == pytest.approx(12 / 28)
-    table = bench.card_table({"gsm8k": r})
+    table = card.card_table({"gsm8k": r})
     assert "| GSM8K | 4.00 | 42.9 | 4 |" in table
 
 
@@ -147,31 +147,31 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
 
     target_dir, draft_dir = pair_dirs
     target, draft = load_target(target_dir, dtype="checkpoint"), load_draft(draft_dir, dtype="checkpoint")
-    runner = bench.Runner(target, draft, tokenizer_for(target),
-                          EngineConfig(num_speculative_tokens=T, max_model_len=512), max_new_tokens=12)
+    runner = card.Runner(target, draft, tokenizer_for(target),
+                         EngineConfig(num_speculative_tokens=T, max_model_len=512), max_new_tokens=12)
     items = load_benchmark("aime", None, aime_file=aime_file)
     settings = {"benchmark": "aime", "draft_sha": "a", "max_new_tokens": 12}
-    whole = bench.run_benchmark(runner, "aime", items, progress=False)
+    whole = card.run_benchmark(runner, "aime", items, progress=False)
 
     path = tmp_path / "draft-aime.jsonl"
-    bench.run_benchmark(runner, "aime", items[:3], progress=False, journal=bench.Journal(path, settings))
+    card.run_benchmark(runner, "aime", items[:3], progress=False, journal=card.Journal(path, settings))
     lines = path.read_bytes().splitlines(keepends=True)
     assert len(lines) == 4                                   # settings + 3 items
     path.write_bytes(b"".join(lines[:3]) + lines[3][:25])    # item 3 cut mid-line by a crash
     ran = []
     run_item = runner.run_item
     runner.run_item = lambda item, stats: (ran.append(item.id), run_item(item, stats))[1]
-    resumed = bench.run_benchmark(runner, "aime", items, progress=False, journal=bench.Journal(path, settings))
+    resumed = card.run_benchmark(runner, "aime", items, progress=False, journal=card.Journal(path, settings))
     assert ran == [it.id for it in items[2:]]
     assert resumed.stats == whole.stats and resumed.items == whole.items
     assert resumed.generated_tokens == whole.generated_tokens and resumed.turns == whole.turns
     assert len(path.read_bytes().splitlines()) == 1 + len(items)
 
     with pytest.raises(ValueError, match="draft_sha was 'a', now 'b'"):
-        bench.Journal(path, dict(settings, draft_sha="b"))
-    changed = [bench.BenchItem(items[0].id, ("another prompt",))]
+        card.Journal(path, dict(settings, draft_sha="b"))
+    changed = [card.BenchItem(items[0].id, ("another prompt",))]
     with pytest.raises(ValueError, match=f"item {items[0].id}'s prompt differs"):
-        bench.run_benchmark(runner, "aime", changed, progress=False, journal=bench.Journal(path, settings))
+        card.run_benchmark(runner, "aime", changed, progress=False, journal=card.Journal(path, settings))
 
 
 def test_decode_speed_times_steps_from_a_config_alone(pair_dirs, tmp_path):

@@ -206,7 +206,7 @@ def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_n
 def test_entry_point_dtype_choice(smollm2_dir):
     """--dtype of serve.generate / serve.server / serve.bench: checkpoint, float32, bfloat16, or auto
     (bfloat16 exactly where the host CPU runs bf16 GEMMs natively); the draft follows the target."""
-    from dspark_jax.serving.models import load_pair, resolve_dtype
+    from dspark_jax.serving.pair import load_pair, resolve_dtype
     assert resolve_dtype("checkpoint") is None and resolve_dtype(None) is None
     assert resolve_dtype("bfloat16") == jnp.bfloat16 and resolve_dtype("float32") == jnp.float32
     assert resolve_dtype("auto") == (jnp.dtype(jnp.bfloat16) if numerics.native_bf16_gemm() else None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.data import benchmarks, dedup, prompts, registry
+from dspark_jax.data import dedup, eval_sets, prompts, registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,19 +97,19 @@ def test_registry_errors_name_package_and_member(tmp_path):
 
 
 def test_benchmark_loaders_official_counts(offline, aime_file):
-    gsm = benchmarks.load_gsm8k(**offline)
+    gsm = eval_sets.load_gsm8k(**offline)
     assert len(gsm) == 1319 and gsm[0].reference == "18"
     assert gsm[0].conversation() == [{"role": "user", "content": gsm[0].turns[0]}]
     assert gsm[0].turns[0].startswith("Janet")
 
-    he = benchmarks.load_humaneval(**offline)
+    he = eval_sets.load_humaneval(**offline)
     assert len(he) == 164 and he[0].id == "HumanEval/0"
     text = he[0].turns[0]
     assert text.startswith("Complete the following Python function. Reply with the complete function "
                            "in one Python code block.\n\n```python\nfrom typing import List")
     assert text.endswith('    """\n```')
 
-    mt = benchmarks.load_mt_bench(**offline)
+    mt = eval_sets.load_mt_bench(**offline)
     assert len(mt) == 80 and all(len(it.turns) == 2 for it in mt)
     second = mt[0].conversation(["ANSWER 1"])
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
@@ -117,16 +117,16 @@ def test_benchmark_loaders_official_counts(offline, aime_file):
     with pytest.raises(ValueError, match="2 answers given for 2 turns"):
         mt[0].conversation(["a", "b"])
 
-    aime = benchmarks.load_aime(aime_file)
+    aime = eval_sets.load_aime(aime_file)
     assert len(aime) == 30 and all(it.reference for it in aime)
 
-    assert len(benchmarks.load_benchmark("mt_bench", limit=5, **offline)) == 5
-    assert [it.id for it in benchmarks.load_benchmark("aime", 3, aime_file=aime_file)] == \
+    assert len(eval_sets.load_benchmark("mt_bench", limit=5, **offline)) == 5
+    assert [it.id for it in eval_sets.load_benchmark("aime", 3, aime_file=aime_file)] == \
         [it.id for it in aime[:3]]
     with pytest.raises(ValueError, match="needs a file path"):
-        benchmarks.load_benchmark("aime")
+        eval_sets.load_benchmark("aime")
     with pytest.raises(ValueError, match="limit must be >= 1"):
-        benchmarks.load_gsm8k(limit=0, **offline)
+        eval_sets.load_gsm8k(limit=0, **offline)
 
 
 def test_aime_malformed_lines_name_line_and_field(tmp_path, aime_file):
@@ -143,11 +143,11 @@ def test_aime_malformed_lines_name_line_and_field(tmp_path, aime_file):
         path = tmp_path / "aime.jsonl"
         path.write_text("\n".join([good[0], bad] + good[1:]) + "\n")
         with pytest.raises(ValueError) as e:
-            benchmarks.load_aime(path)
+            eval_sets.load_aime(path)
         assert expected in str(e.value), what
         assert str(path) in str(e.value)
     with pytest.raises(FileNotFoundError):
-        benchmarks.load_aime(tmp_path / "missing.jsonl")
+        eval_sets.load_aime(tmp_path / "missing.jsonl")
 
 
 # ---------------------------------------------------------------- dedup / decontamination
@@ -162,7 +162,7 @@ CLEAN = ("A farmer plants 12 rows of carrots with 30 carrots in each row and sel
 
 
 def test_decontamination_13gram(offline, aime_file):
-    bench = benchmarks.contamination_texts(aime_file, **offline)
+    bench = eval_sets.contamination_texts(aime_file, **offline)
     gsm_q = bench["gsm8k_test"][5]
     he_prompt = bench["humaneval"][10]
     aime_problem = bench["aime"][0]

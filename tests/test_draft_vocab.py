@@ -16,35 +16,16 @@ from safetensors.torch import load_file, save_file
 
 from dspark_jax import steps
 from dspark_jax.checkpoint.draft_io import convert_draft, load_draft, save_torch_draft
-from dspark_jax.checkpoint.draft_layout import draft_inventory, vocab_map_arrays
+from dspark_jax.checkpoint.draft_layout import draft_inventory
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig
 from dspark_jax.generate import generate
 from dspark_jax.train import vocab as vocab_lib
 from dspark_jax.train.loss import token_terms
+from tests.draft_utils import (K_TINY, KEPT_TINY, METADATA, TINY, draft_inputs, make_reduced_torch_draft,
+                               make_torch_draft)
 from tests.float64 import x64
-from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
-from tests.test_dspark_draft import METADATA, TINY, _inputs, make_torch_draft
-from tests.test_generate import _chi2_pvalue, _same_tokens
-
-K_TINY = 40
-KEPT_TINY = np.sort(np.random.default_rng(7).choice(96, K_TINY, replace=False))
-
-
-def make_reduced_torch_draft(path: Path, kept=KEPT_TINY, *, dtype=torch.bfloat16, seed: int = 0):
-    """A reduced-vocabulary draft as an EAGLE-3-style trainer would save it: the full-vocab
-    reference's tensors with markov_w2 cut to the kept rows, plus `d2t` (int64) and `t2d` (bool)."""
-    ref, embed = make_torch_draft(path, dtype=dtype, seed=seed)
-    tensors = load_file(str(path / "model.safetensors"))
-    tensors["markov_head.markov_w2.weight"] = tensors["markov_head.markov_w2.weight"][torch.as_tensor(kept)].contiguous()
-    d2t, t2d = vocab_map_arrays(kept, TINY["vocab_size"])
-    tensors["d2t"], tensors["t2d"] = torch.from_numpy(d2t), torch.from_numpy(t2d)
-    save_file(tensors, str(path / "model.safetensors"), metadata=METADATA)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["draft_vocab_size"] = len(kept)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return ref, embed
-
+from tests.gen_utils import chi2_pvalue, prompts, same_tokens, tiny_draft, tiny_k3, tiny_llama
 
 # ---------------------------------------------------------------------------------------------
 # config, inventory, conversion
@@ -119,7 +100,7 @@ def test_restricted_block_forward_matches_torch_reference(tmp_path):
     W2 restricted to them, returned as target ids."""
     ref, embed = make_reduced_torch_draft(tmp_path / "d", dtype=torch.float32, seed=3)
     draft = load_draft(tmp_path / "d", dtype=jnp.float32)
-    aux, lm_head = _inputs(0)
+    aux, lm_head = draft_inputs(0)
     anchor, t = 17, 7
     base_r, _, _ = ref.block_forward(torch.from_numpy(aux), anchor, embed, torch.from_numpy(lm_head), t)
     base, drafts, _ = draft.block_forward(aux, anchor, embed.numpy(), lm_head, num_speculative_tokens=t)
@@ -142,7 +123,7 @@ def test_remap_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
     EAGLE-3-style trainer would save from the same weights: markov_w2 cut to the kept rows, the
     map set, everything else unchanged."""
     from dspark_jax import params as params_lib
-    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+    from dspark_jax.models.draft_surgery import remap_vocabulary
     make_torch_draft(tmp_path / "full", dtype=torch.float32, seed=3)
     make_reduced_torch_draft(tmp_path / "cut", dtype=torch.float32, seed=3)
     full = load_draft(tmp_path / "full", dtype=jnp.float32)
@@ -154,7 +135,7 @@ def test_remap_vocabulary_of_a_full_draft_equals_the_cut_checkpoint(tmp_path):
     assert sorted(got) == sorted(ref)
     for name in ref:
         np.testing.assert_array_equal(np.asarray(got[name].get_value()), np.asarray(ref[name].get_value()), name)
-    aux, lm_head = _inputs(0)
+    aux, lm_head = draft_inputs(0)
     a = small.block_forward(aux, 17, np.zeros((96, TINY["hidden_size"]), np.float32), lm_head)
     b = want.block_forward(aux, 17, np.zeros((96, TINY["hidden_size"]), np.float32), lm_head)
     for x, y in zip(a, b):
@@ -167,7 +148,7 @@ def test_remap_vocabulary_of_a_reduced_draft_keeps_the_shared_rows(tmp_path):
     target id where the old vocabulary held it and zero where it did not; every other parameter is
     unchanged; and moving back to the old vocabulary restores the draft exactly."""
     from dspark_jax import params as params_lib
-    from dspark_jax.checkpoint.draft_layout import remap_vocabulary
+    from dspark_jax.models.draft_surgery import remap_vocabulary
     make_reduced_torch_draft(tmp_path / "cut", dtype=torch.float32, seed=5)
     old = load_draft(tmp_path / "cut", dtype=jnp.float32)
     rest = np.setdiff1d(np.arange(96), KEPT_TINY)
@@ -214,7 +195,7 @@ def test_lossless_greedy_with_reduced_vocab(family):
     kept = set(np.asarray(draft.draft_token_ids()).tolist())
     plain = generate(target, None, ps, max_new_tokens=n_new)
     spec = generate(target, draft, ps, max_new_tokens=n_new, num_speculative_tokens=t)
-    _same_tokens(plain, spec)
+    same_tokens(plain, spec)
     # every proposal is a kept target id (not a draft index), checked below; on llama the drafts
     # were also accepted (the random k3 pair accepts none on these 4 prompts: its equality
     # check still covers the rejection path)
@@ -268,7 +249,7 @@ def test_accept_sampling_with_zero_draft_mass_outside_the_kept_set():
     outside = np.setdiff1d(np.arange(v), kept)
     for pos in range(t + 1):
         got = emitted[nacc >= pos][:, pos]
-        assert _chi2_pvalue(np.bincount(got, minlength=v), p[pos]) > 1e-3, pos
+        assert chi2_pvalue(np.bincount(got, minlength=v), p[pos]) > 1e-3, pos
         assert p[pos, outside].sum() >= 0.2
     assert nacc.mean() > 0.3                                  # drafts were accepted too
 
@@ -301,8 +282,8 @@ def test_speculative_sampling_with_reduced_vocab_matches_target_distribution():
                    num_speculative_tokens=3, seed=11)
     first = np.array([o.token_ids[0] for o in res.outputs])
     second = np.array([o.token_ids[1] for o in res.outputs])
-    assert _chi2_pvalue(np.bincount(first, minlength=12), p1) > 1e-3
-    assert _chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=12), p1) > 1e-3
+    assert chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
     assert res.stats["total_accepted_tokens"] > 0.1 * res.stats["total_draft_tokens"]
 
 

@@ -30,64 +30,12 @@ from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig, yarn_mscale
 from dspark_jax.layers.rope import yarn_correction_range
 from dspark_jax.params import flat_params
+from tests.draft_utils import METADATA, draft_inputs, make_torch_draft
 from tests.float64 import TABLE_ULPS, TorchFloat64, assert_close, ulps, x64
 from tests.torch_ref_dspark import DSparkDraftRef, yarn_tables
 
 REPO = Path(__file__).resolve().parents[1]
 K3_DRAFT_JSON = REPO / "dspark_jax" / "configs" / "kimi-k3-dspark.json"
-METADATA = {"torchspec_version": "0.1.0"}
-
-# Tiny draft: 3 aux layers of a 32-wide target, 2 layers, 4 MLA heads, rank-6 Markov head. The YaRN
-# ramp (low 1, high 3) falls inside the 4 rotary pairs and mscale != mscale_all_dim, so the
-# ramp, the cos/sin multiplier and the mscale² temperature all matter.
-TINY = {
-    "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
-    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4,
-    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
-    "mla_use_nope": False, "mla_use_output_gate": False,
-    "vocab_size": 96, "rms_norm_eps": 1e-05, "max_position_embeddings": 65536, "rope_theta": 10000.0,
-    "num_target_layers": 3, "target_hidden_size": 32, "target_num_hidden_layers": 4,
-    "target_layer_ids": [0, 2, 3], "mask_token_id": 95,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    "markov_rank": 6, "markov_head_type": "vanilla",
-    "enable_confidence_head": True, "confidence_head_with_markov": True,
-    "tie_word_embeddings": False, "draft_vocab_size": 96, "_torchspec_version": "0.1.0",
-    "torch_dtype": "float32",
-    "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096,
-                        "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                        "mscale_all_dim": 0.8},
-}
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations: matrices ~ N(0, 1/fan_in), vectors ~ 1 ± 0.3, and a Markov head strong
-    enough (bias std ~ 1.2 vs base logits ~ 1) that it changes some greedy drafts."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "markov" in name:
-                p.copy_(0.7 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-
-
-def make_torch_draft(path: Path, cfg: dict = TINY, *, seed: int = 0, dtype=torch.float32,
-                     with_embed: bool = True) -> tuple[DSparkDraftRef, torch.Tensor]:
-    """A random draft saved the way TorchSpec saves one: `save_file` with the TorchSpec metadata."""
-    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
-    ref = DSparkDraftRef(cfg)
-    _randomize(ref, seed)
-    embed = torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=torch.Generator().manual_seed(seed + 1))
-    tensors = {k: v.to(dtype).contiguous() for k, v in ref.state_dict().items()}
-    if with_embed:
-        tensors["embed_tokens.weight"] = embed.to(dtype)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata=METADATA)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return ref, embed
 
 
 def _leftovers(dst: Path) -> list[Path]:
@@ -221,13 +169,6 @@ def tiny_f32(tmp_path_factory):
     return root, ref, embed
 
 
-def _inputs(seed: int, n: int = 5):
-    rng = np.random.default_rng(seed)
-    aux = rng.standard_normal((n, 3 * 32)).astype(np.float32)
-    lm_head = (rng.standard_normal((96, 32)) / np.sqrt(32)).astype(np.float32)
-    return aux, lm_head
-
-
 def _float64_reference(ref: DSparkDraftRef, inv_freq: np.ndarray) -> DSparkDraftRef:
     """A float64 copy of the torch reference holding our float32 YaRN table (both build it in
     float32 from docs/architecture.md §3.4; checked to agree to TABLE_ULPS here and for the K3 draft in
@@ -245,7 +186,7 @@ def test_block_forward_matches_torch_reference(tiny_f32):
     TorchFloat64 (its `.float()` casts become float64), our draft under x64 from the same
     float32 checkpoint (torch and Orbax layouts)."""
     root, ref, embed = tiny_f32
-    aux, lm_head = _inputs(0)
+    aux, lm_head = draft_inputs(0)
     aux, lm_head = aux.astype(np.float64), lm_head.astype(np.float64)
     anchor, t = 17, 7
     with x64():
@@ -297,7 +238,7 @@ def test_sharded_load_matches_single_device(tiny_f32):
     sharded = load_draft(root / "orbax", dtype=jnp.float32, mesh=mesh)
     spec = sharded.layers[0].self_attn.q_b_proj.weight.get_value().sharding.spec
     assert spec[0] == ("tensor" if n > 1 else None)   # 4 heads x 16 = 64 rows split over the devices
-    aux, lm_head = _inputs(2)
+    aux, lm_head = draft_inputs(2)
     single = load_draft(root / "orbax", dtype=jnp.float32)
     got = sharded.block_forward(aux, 5, embed.numpy(), lm_head, 7)
     want = single.block_forward(aux, 5, embed.numpy(), lm_head, 7)
@@ -312,7 +253,7 @@ def test_batched_pieces_match_block_forward_and_mask_context(tiny_f32):
     absorbed and expanded MLA forms agree."""
     root, _, embed = tiny_f32
     draft = load_draft(root / "torch", dtype=jnp.float32)
-    aux, lm_head = _inputs(1, n=6)
+    aux, lm_head = draft_inputs(1, n=6)
     t, visible = 4, 4
 
     @nnx.jit(static_argnames="absorbed")

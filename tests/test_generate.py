@@ -6,15 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 
 from dspark_jax import steps
 from dspark_jax.batcher import Batcher, Request
+from dspark_jax.cache import as_values
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.generate import generate
-from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
+from tests.gen_utils import chi2_pvalue, prompts, same_tokens, tiny_draft, tiny_k3, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +29,6 @@ def k3_pair():
     return target, tiny_draft(target, 1, layer_ids=(1, 3))
 
 
-def _chi2_pvalue(counts, probs) -> float:
-    probs = np.asarray(probs, np.float64)
-    return scipy.stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue
-
-
-def _same_tokens(plain, spec):
-    for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
-        assert a.token_ids == b.token_ids, f"prompt {i}: speculative output differs from plain greedy"
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_lossless_greedy_llama(llama_pair, batch):
     target, draft = llama_pair
@@ -47,7 +37,7 @@ def test_lossless_greedy_llama(llama_pair, batch):
         chunk = ps[i:i + batch]
         plain = generate(target, None, chunk, max_new_tokens=24)
         spec = generate(target, draft, chunk, max_new_tokens=24, num_speculative_tokens=7)
-        _same_tokens(plain, spec)
+        same_tokens(plain, spec)
         assert all(len(o.token_ids) == 24 for o in spec.outputs)
 
 
@@ -60,7 +50,7 @@ def test_lossless_greedy_k3(k3_pair, batch):
         chunk = ps[i:i + batch]
         plain = generate(target, None, chunk, max_new_tokens=12)
         spec = generate(target, draft, chunk, max_new_tokens=12, num_speculative_tokens=5)
-        _same_tokens(plain, spec)
+        same_tokens(plain, spec)
 
 
 @pytest.mark.parametrize("pair", ["llama_pair", "k3_pair"])
@@ -69,11 +59,23 @@ def test_lossless_greedy_fp8_cache(request, pair):
     ps = prompts(4, target.cfg.vocab_size, seed=7)
     plain = generate(target, None, ps, max_new_tokens=16, kv_cache_dtype="fp8")
     spec = generate(target, draft, ps, max_new_tokens=16, num_speculative_tokens=7, kv_cache_dtype="fp8")
-    _same_tokens(plain, spec)
-    # fp8 storage really changes the numbers (otherwise this test would prove nothing)
-    full = generate(target, None, ps, max_new_tokens=16)
-    assert any(a.token_ids != b.token_ids for a, b in zip(full.outputs, plain.outputs)) or \
-        target.cfg.family == "llama"
+    same_tokens(plain, spec)
+    # fp8 storage really changes the numbers (otherwise this test would prove nothing): the cached
+    # rows differ from the full-precision ones in both families, and in K3's the greedy tokens too
+    full_rows, fp8_rows = (_cached_rows(target, ps, kv) for kv in ("auto", "fp8"))
+    assert fp8_rows.shape == full_rows.shape and np.any(full_rows != 0)
+    assert not np.array_equal(fp8_rows, full_rows)
+    if target.cfg.family == "kimi_linear":
+        full = generate(target, None, ps, max_new_tokens=16)
+        assert any(a.token_ids != b.token_ids for a, b in zip(full.outputs, plain.outputs))
+
+
+def _cached_rows(target, ps, kv_cache_dtype: str) -> np.ndarray:
+    """The paged pool's rows, as float32 values, after plain greedy decoding of `ps`."""
+    engine = Engine(target, None, EngineConfig(num_speculative_tokens=0, kv_cache_dtype=kv_cache_dtype))
+    batcher = Batcher(engine, len(ps), 128)
+    batcher.run([Request(p, 16) for p in ps])
+    return np.asarray(as_values(batcher.caches.pool.pages).astype(jnp.float32))
 
 
 def _oracle(reference):
@@ -226,9 +228,9 @@ def test_accept_sampling_marginals_are_the_targets():
     for pos in range(t + 1):
         got = emitted[nacc >= pos][:, pos]
         counts = np.bincount(got, minlength=v)
-        assert _chi2_pvalue(counts, p[pos]) > 1e-3, pos
+        assert chi2_pvalue(counts, p[pos]) > 1e-3, pos
         if pos < t:
-            assert _chi2_pvalue(counts, q[pos]) < 1e-6
+            assert chi2_pvalue(counts, q[pos]) < 1e-6
 
 
 def _exact_two_token_marginal(target, prompt):
@@ -254,8 +256,8 @@ def test_speculative_sampling_matches_target_distribution():
                    num_speculative_tokens=3, seed=11)
     first = np.array([o.token_ids[0] for o in res.outputs])
     second = np.array([o.token_ids[1] for o in res.outputs])
-    assert _chi2_pvalue(np.bincount(first, minlength=12), p1) > 1e-3
-    assert _chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=12), p1) > 1e-3
+    assert chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
     assert res.stats["total_accepted_tokens"] > 0          # the draft's tokens were actually used
 
 
@@ -334,7 +336,7 @@ def test_accept_sampling_with_a_limit_emits_the_targets_marginals():
     p = np.asarray(jax.nn.softmax(tl, -1))
     for pos in range(2):
         counts = np.bincount(emitted[nacc >= pos][:, pos], minlength=v)
-        assert _chi2_pvalue(counts, p[pos]) > 1e-3, pos
+        assert chi2_pvalue(counts, p[pos]) > 1e-3, pos
 
 
 @pytest.mark.parametrize("family", ["llama", "k3"])
@@ -345,7 +347,7 @@ def test_lossless_greedy_with_confidence_schedule(request, family):
     plain = generate(target, None, chunk, max_new_tokens=12)
     spec = generate(target, draft, chunk, max_new_tokens=12, num_speculative_tokens=5,
                     confidence_schedule=VerifyCost(1.0, 0.15))
-    _same_tokens(plain, spec)
+    same_tokens(plain, spec)
     st = spec.stats
     # the schedule really cut the verify length, and not to nothing
     assert 0 < st["total_draft_tokens"] < 5 * st["num_verify_steps"]
@@ -362,7 +364,7 @@ def test_speculative_sampling_with_confidence_schedule_matches_target():
     res = generate(target, draft, [prompt] * 2000, max_new_tokens=3, temperature=1.0,
                    num_speculative_tokens=3, seed=12, confidence_schedule=VerifyCost(1.0, 2e-4))
     second = np.array([o.token_ids[1] for o in res.outputs])
-    assert _chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
+    assert chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
     st = res.stats
     assert 0 < st["total_draft_tokens"] < 3 * st["num_verify_steps"]
     assert st["total_accepted_tokens"] > 0

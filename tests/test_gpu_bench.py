@@ -12,52 +12,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from benchmarks import gpu_bench
-from benchmarks.crossover import auto_choice, crossover_report, crossover_span
-from tests.test_gguf_tokenizer import (TINY, TINY_MERGES, TINY_SPECIALS, TINY_TEMPLATE, gguf_name, llama_cpp_permute,
-                                       tiny_hf_weights, tiny_tokens)
+from dspark_jax.bench.crossover import auto_choice, crossover_report, crossover_span
+from tests.gguf_utils import TINY, tiny_tokens, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_gguf(path: Path, context: int = 4096) -> Path:
-    """tests/test_gguf_tokenizer's tiny llama GGUF, with room for GSM8K prompts (byte-level
+    """tests/gguf_utils.py's tiny llama GGUF, with room for GSM8K prompts (byte-level
     tokens) plus the new tokens."""
-    tokens = tiny_tokens()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(TINY["layers"])
-    w.add_context_length(context)
-    w.add_embedding_length(TINY["hidden"])
-    w.add_feed_forward_length(TINY["ffn"])
-    w.add_head_count(TINY["heads"])
-    w.add_head_count_kv(TINY["kv_heads"])
-    w.add_rope_dimension_count(TINY["head_dim"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
-    w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(TINY_TEMPLATE)
-    for name, arr in tiny_hf_weights().items():
-        if name.endswith("q_proj.weight"):
-            arr = llama_cpp_permute(arr, TINY["heads"])
-        elif name.endswith("k_proj.weight"):
-            arr = llama_cpp_permute(arr, TINY["kv_heads"])
-        w.add_tensor(gguf_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_gguf(path, context=context)
 
 
 def write_draft(dst: Path) -> Path:
@@ -201,7 +170,7 @@ def _run_tiny(tiny_pair, tmp_path, stages: str, *extra: str) -> tuple[dict, str,
         bos_token_id=1, eos_token_id=2)))
     out = tmp_path / "out"
     proc = _bench(["--out", str(out), "--stages", stages, "--tiny", "--demo_target", str(target), "--state_dir",
-                   str(tmp_path / "state"), "--no-compile_cache", "--dtype", "float32", "--demo_config",
+                   str(tmp_path / "state"), "--nocompile_cache", "--dtype", "float32", "--demo_config",
                    str(demo_cfg), "--demo_draft", str(draft), "--budget_s", "800", "--min_stage_s", "1", *extra])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -259,7 +228,7 @@ def test_failures_hangs_skips_and_the_budget(tmp_path):
     state = tmp_path / "state"
     out = tmp_path / "out"
     proc = _bench(["--out", str(out), "--tiny", "--demo_target", str(missing), "--state_dir", str(state),
-                   "--no-compile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
+                   "--nocompile_cache", "--stages", "torch,demo,steps_demo,steps_k3", "--demo_config",
                    str(ROOT / "dspark_jax" / "configs" / "smollm2-135m-dspark.json"),
                    "--stage_timeouts", "steps_k3=4", "--min_stage_s", "1", "--budget_s", "300"])
     assert proc.returncode == 1, proc.stdout[-4000:]                          # an error and a timeout
@@ -295,7 +264,7 @@ def test_random_weights_on_host_and_device():
     import jax
     import numpy as np
 
-    from benchmarks import steps_timing
+    from dspark_jax.bench import steps_timing
     from dspark_jax.config import KimiConfig
     from dspark_jax.models.kimi import KimiLinearModel
 

@@ -14,7 +14,7 @@ from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
 from dspark_jax.train import regen
 from dspark_jax.train.vocab import choose_from_rows, write_choice
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
-from tests.test_train import _write_tiny_run_inputs
+from tests.train_utils import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _inputs(root: Path) -> dict[str, str]:
     target = tiny_llama(0)
     pair = (target, tiny_draft(target, seed=1))
-    tiny = _write_tiny_run_inputs(root, pair, answer_samples(target, max_new_tokens=28))
+    tiny = write_tiny_run_inputs(root, pair, answer_samples(target, max_new_tokens=28))
     save_torch_draft(pair[1], dict(pair[1].cfg.raw), root / "init")
     # run b's own flag: a reduced vocabulary of the 48 most frequent answer tokens
     write_choice(choose_from_rows(regen.read_cache(tiny["data"]), target.cfg.vocab_size, 0.5, heldout_fraction=0.0,

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.peers`: the measurement protocol on fake systems (alternation,
+"""`python -m benchmarks.peers` and its library (dspark_jax/bench/peers.py): the measurement protocol on fake systems (alternation,
 warm-up, repeating runs that compiled, best/median aggregation, greedy agreement, table, JSON),
 and one short run of the script on the tiny served pair (tests/serve_utils.py) with transformers
 as the peer; llama.cpp is not needed (it is reported unavailable when it cannot run)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peers
+from dspark_jax.bench import peers
 from tests.serve_utils import write_tiny_draft, write_tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,7 +33,7 @@ from dspark_jax.engine_config import EngineConfig
 from dspark_jax.generate import eos_ids, tokenizer_for
 from dspark_jax.serving import app as app_module
 from dspark_jax.serving.app import ServerConfig, TextStream, create_app
-from dspark_jax.serving.models import load_pair
+from dspark_jax.serving.pair import load_pair
 from dspark_jax.serving.worker import EngineWorker
 from tests.serve_utils import write_tiny_draft, write_tiny_target
 

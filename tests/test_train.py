@@ -22,7 +22,6 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
-from dspark_jax.checkpoint.safetensors_io import save_arrays
 from dspark_jax.generate import generate
 from dspark_jax.kernels.dispatch import use_kernels
 from dspark_jax.train import loss as L
@@ -30,12 +29,9 @@ from dspark_jax.train import regen, teacher, torchspec
 from dspark_jax.train import trainer as T
 from dspark_jax.train.regen import Sample
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
+from tests.train_utils import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": None,
-              "rms_norm_eps": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -386,24 +382,6 @@ def test_one_and_eight_devices_give_the_same_loss():
 # the program: kill and resume
 
 
-def _write_tiny_run_inputs(root: Path, pair, samples) -> dict[str, Path]:
-    target, draft = pair
-    tdir = root / "target"
-    tdir.mkdir()
-    (tdir / "config.json").write_text(json.dumps(TINY_LLAMA))
-    save_arrays(tdir / "model.safetensors", {k: np.asarray(v.get_value()) for k, v in params_lib.flat_params(target).items()})
-    cfg_path = root / "draft.json"
-    cfg_path.write_text(json.dumps(dict(draft.cfg.raw)))
-    data = root / "regen.jsonl"
-    with open(data, "w") as f:
-        for s in samples:
-            n = int(np.argmax(s.loss_mask))
-            f.write(json.dumps({"id": s.id, "source": "t", "prompt_ids": s.input_ids[:n].tolist(),
-                                "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
-                                "answer_text": ""}) + "\n")
-    return {"target": tdir, "draft_config": cfg_path, "data": data}
-
-
 def _distill_cmd(inputs, run_dir, steps):
     return [sys.executable, "-m", "train.distill", f"--target={inputs['target']}", f"--data={inputs['data']}",
             f"--draft_config={inputs['draft_config']}", f"--run_dir={run_dir}", f"--total_steps={steps}",
@@ -417,7 +395,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_sigkill_then_resume_continues_exactly(pair, samples, tmp_path):
-    inputs = _write_tiny_run_inputs(tmp_path, pair, samples)
+    inputs = write_tiny_run_inputs(tmp_path, pair, samples)
     steps = 16
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     kw = {"cwd": REPO, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}

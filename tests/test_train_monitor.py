@@ -24,11 +24,9 @@ from dspark_jax.train import monitor
 from dspark_jax.train import trainer as T
 from dspark_jax.train.warm_start import WarmStartError, plan, warm_start
 from tests.gen_utils import answer_samples, randomize, tiny_draft, tiny_llama
+from tests.train_utils import TINY_LLAMA
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=True, eos_token_id=None, rms_norm_eps=1e-5)   # = tiny_llama(0)'s config
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +355,7 @@ def test_distill_trains_a_reduced_vocabulary_draft_and_pins_its_map(pair, sample
 
 
 def test_gsm8k_heldout_prompts_are_outside_the_benchmark_prompts():
-    from dspark_jax.data.benchmarks import load_gsm8k
+    from dspark_jax.data.eval_sets import load_gsm8k
     got = monitor.gsm8k_heldout_prompts(3)
     every = [it.conversation() for it in load_gsm8k()]
     assert got == every[60:63]

@@ -8,10 +8,11 @@ Online teacher (the target's prefill runs inside the training step):
 Offline teacher (shards written by `python -m train.teacher`, possibly still being written):
     python -m train.distill --target smollm2-135m --teacher_dir runs/demo/teacher ...
 
-Rerunning the same command resumes from the newest checkpoint in --run_dir. --init_from starts
-from a torch-layout draft; --warm_start initialises a fresh draft from the target where shapes allow
-(dspark_jax/train/warm_start.py: MLP + norms of the target's last layers, identity context_proj on
-the last aux layer, zero Markov output side and confidence head; attention random);
+Rerunning the same command resumes from the newest checkpoint in --run_dir. The starting draft
+(dspark_jax/train/init_draft.py): --init_from starts from a torch-layout draft; --warm_start
+initialises a fresh draft from the target where shapes allow (dspark_jax/train/warm_start.py: MLP
++ norms of the target's last layers, identity context_proj on the last aux layer, zero Markov
+output side and confidence head; attention random);
 --draft_vocab vocab.json (`python -m train.vocab`) trains a draft with a reduced vocabulary (the K
 most frequent answer tokens): a fresh one, or --init_from's draft with its Markov output side
 moved to the kept rows (a reduced draft given a new vocabulary keeps its rows for the ids both
@@ -49,14 +50,15 @@ from absl import app, flags, logging
 from dspark_jax import distributed
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
-from dspark_jax.config import DraftConfig
+from dspark_jax.serving import pair_flags
+from dspark_jax.train import init_draft, regen, teacher, torchspec
 from dspark_jax.train import loss as loss_lib
-from dspark_jax.train import regen, teacher, torchspec
 from dspark_jax.train import trainer as trainer_lib
 from train import paths
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
+pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
+pair_flags.define_tp()
 flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype (the held-out eval "
                   "serves the target in float32 either way, as benchmarks.acceptance does).")
 flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher); several (the shards of a multi-host "
@@ -134,6 +136,8 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     if (FLAGS.data is None) == (FLAGS.teacher_dir is None):
         raise app.UsageError("give exactly one of --data (online teacher) and --teacher_dir (offline)")
+    pair_flags.require_one_device("train.distill", "keeps a whole target on every device (the draft is sharded FSDP "
+                                  "over the hosts of a multi-host run)")
     settings = distributed.initialize_program()
     primary = distributed.is_primary()
     t0 = time.time()
@@ -146,25 +150,13 @@ def main(argv: list[str]) -> None:
         mesh = distributed.global_mesh(fsdp=jax.device_count(), tensor=1, data=1)
     else:
         mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
-    if FLAGS.warm_start and FLAGS.init_from:
-        raise app.UsageError("--warm_start initialises a fresh draft: it cannot be combined with --init_from")
-    init_draft = None
-    if FLAGS.init_from:
-        from dspark_jax.checkpoint.draft_io import load_draft
-        init_draft = load_draft(FLAGS.init_from, dtype=jnp.float32, mesh=mesh)
-        if FLAGS.add_layers:
-            from dspark_jax.checkpoint.draft_layout import add_layers
-            n_before = init_draft.cfg.num_hidden_layers
-            init_draft = add_layers(init_draft, FLAGS.add_layers)
-            log(f"--init_from's {n_before} decoder layers -> {init_draft.cfg.num_hidden_layers}: the new ones copy "
-                f"layer {n_before - 1} with zero o_proj/down_proj")
-        draft_cfg = init_draft.cfg
-    elif FLAGS.add_layers:
-        raise app.UsageError("--add_layers grows --init_from's draft: it needs --init_from")
-    if FLAGS.draft_config:
-        draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
-    elif not FLAGS.init_from:
-        raise app.UsageError("--draft_config or --init_from is required")
+    init = init_draft.DraftInit(draft_config=FLAGS.draft_config, init_from=FLAGS.init_from,
+                                add_layers=FLAGS.add_layers, draft_vocab=FLAGS.draft_vocab,
+                                warm_start=FLAGS.warm_start, seed=FLAGS.seed)
+    try:
+        init.check()
+    except init_draft.DraftInitError as e:
+        raise app.UsageError(str(e)) from None
     if FLAGS.cpu_budget and settings.multi_process:
         raise app.UsageError("--cpu_budget is single-process only (one process keeps the CPU total)")
     if FLAGS.time_budget and settings.multi_process:
@@ -175,35 +167,13 @@ def main(argv: list[str]) -> None:
     if FLAGS.lr_schedule == "constant" and FLAGS.min_lr_frac:
         log(f"note: --min_lr_frac {FLAGS.min_lr_frac} is unused with --lr_schedule constant")
 
-    kept_ids = None
-    if FLAGS.draft_vocab:
-        kept_ids = _pinned_vocab(FLAGS.draft_vocab, Path(FLAGS.run_dir), draft_cfg.vocab_size)
-        log(f"reduced draft vocabulary: {len(kept_ids)} of {draft_cfg.vocab_size} target ids ({FLAGS.draft_vocab})")
-        draft_cfg = DraftConfig.from_dict({**draft_cfg.raw, "draft_vocab_size": len(kept_ids)},
-                                          where=f"{FLAGS.draft_config or FLAGS.init_from} + {FLAGS.draft_vocab}")
-        if init_draft is not None:    # its weights, its Markov output side moved to the kept rows
-            from dspark_jax.checkpoint.draft_layout import remap_vocabulary
-            own = init_draft.draft_token_ids()
-            if own is not None:
-                new_ids = len(set(kept_ids) - set(jax.device_get(own).tolist()))
-                log(f"--init_from's vocabulary of {len(own)} ids -> {len(kept_ids)}: {new_ids} new ids start with "
-                    f"a zero Markov row")
-            init_draft = remap_vocabulary(init_draft, kept_ids)
-
+    try:
+        initial = init_draft.prepare(init, FLAGS.run_dir, mesh, log)
+    except init_draft.DraftInitError as e:
+        raise app.UsageError(str(e)) from None
+    draft_cfg = initial.cfg
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
-    if FLAGS.warm_start or (kept_ids is not None and init_draft is None):
-        from flax import nnx
-
-        from dspark_jax.checkpoint.draft_layout import set_vocab_map
-        from dspark_jax.models.dspark import K3DSparkModel
-        # the Trainer's own random init (same seed), then the target's tensors and/or the map
-        init_draft = sharding_lib.create_sharded(
-            lambda: K3DSparkModel(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(FLAGS.seed)), mesh)
-        if FLAGS.warm_start:
-            from dspark_jax.train.warm_start import warm_start
-            warm_start(init_draft, target, log=log)
-        if kept_ids is not None:
-            set_vocab_map(init_draft, kept_ids)
+    start_draft = init_draft.finish(initial, init, target, mesh, log)
     online = FLAGS.data is not None
     if online:
         files = paths.expand(FLAGS.data, flag="data", what="regen cache", exists=Path.is_file)
@@ -234,7 +204,7 @@ def main(argv: list[str]) -> None:
         export=not settings.multi_process,
         loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma,
                                   ce_weight=FLAGS.ce_weight, l1_weight=FLAGS.l1_weight))
-    trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=init_draft, log=log)
+    trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=start_draft, log=log)
     if FLAGS.resume_torchspec and trainer.manager.latest_step() is None:
         names = set(trainer_lib.flat_names(trainer.state.params))
         ts = torchspec.read_torchspec_checkpoint(FLAGS.resume_torchspec, names)
@@ -287,30 +257,6 @@ def _export_multihost(trainer: trainer_lib.Trainer, run_dir: Path, log) -> None:
     cfg["torch_dtype"] = "bfloat16"
     save_torch_draft(trainer_lib.merge_draft(trainer.graphdef, trainer.template, trainer.rest, params), cfg, dst)
     log(f"exported the draft (torch layout) to {dst}")
-
-
-def _pinned_vocab(path: str, run_dir: Path, vocab_size: int) -> list[int]:
-    """The kept ids of --draft_vocab, copied to <run_dir>/vocab.json on the first run. The map is not
-    a trained parameter, so checkpoints do not hold it: a resumed run must get the same file."""
-    from dspark_jax.train.vocab import read_choice
-    try:
-        kept = read_choice(path)
-    except (OSError, ValueError) as e:
-        raise app.UsageError(f"--draft_vocab {path}: {e}") from None
-    if not 0 < len(kept) < vocab_size or kept[-1] >= vocab_size:
-        raise app.UsageError(f"--draft_vocab {path}: {len(kept)} ids (largest {kept[-1]}) do not reduce the "
-                             f"target's vocabulary of {vocab_size}")
-    pinned = run_dir / "vocab.json"
-    if pinned.exists():
-        if read_choice(pinned) != kept:
-            raise app.UsageError(f"--draft_vocab {path} differs from the vocabulary this run started with "
-                                 f"({pinned}): resume with that file or use a new --run_dir")
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = pinned.with_suffix(".tmp")
-        tmp.write_text(Path(path).read_text())
-        tmp.replace(pinned)
-    return kept
 
 
 def _compute_dtype() -> str:

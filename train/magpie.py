@@ -26,11 +26,13 @@ from absl import app, flags, logging
 from dspark_jax.api import load_target
 from dspark_jax.data import magpie
 from dspark_jax.presets import resolve_model_path
+from dspark_jax.serving import pair_flags
 from dspark_jax.tokenizer import load_tokenizer
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "Target: directory or preset name (instruction-tuned).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target compute dtype.")
+pair_flags.define_model("smollm2-135m", help="Target: directory or preset name (instruction-tuned).")
+pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target compute dtype.")
+pair_flags.define_tp()
 flags.DEFINE_string("out", None, "Query cache JSONL (appended; resumable).")
 flags.DEFINE_integer("num_queries", 2000, "Accepted requests to reach.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once.", lower_bound=1)
@@ -49,6 +51,7 @@ flags.mark_flag_as_required("out")
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    pair_flags.require_one_device("train.magpie")
     if not 0 < FLAGS.top_p <= 1:
         raise app.UsageError(f"--top_p must be in (0, 1], got {FLAGS.top_p}")
     if FLAGS.temperature <= 0:

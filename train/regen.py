@@ -28,14 +28,16 @@ from dspark_jax import distributed
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
 from dspark_jax.presets import resolve_model_path
+from dspark_jax.serving import pair_flags
 from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train import regen
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompts", None, "Prompt pool JSONL ({id, source, messages}).")
 flags.DEFINE_string("out", None, "Answer cache JSONL (appended; resumable).")
-flags.DEFINE_string("model", "smollm2-135m", "Target: directory or preset name.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target compute dtype.")
+pair_flags.define_model("smollm2-135m", help="Target: directory or preset name.")
+pair_flags.define_tp()
+pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target compute dtype.")
 flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once (continuous batching).", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
@@ -63,6 +65,7 @@ flags.mark_flags_as_required(["prompts", "out"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    pair_flags.require_one_device("train.regen", "answers on one device per process")
     deadline = None if FLAGS.time_budget is None else time.time() + FLAGS.time_budget
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     dist = distributed.initialize_program()

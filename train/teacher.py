@@ -18,11 +18,13 @@ from absl import app, flags, logging
 
 from dspark_jax.api import load_target
 from dspark_jax.config import DraftConfig
+from dspark_jax.serving import pair_flags
 from dspark_jax.train import regen, teacher
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m", "Target model: directory or preset name.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Teacher compute and storage dtype.")
+pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
+pair_flags.define_tp()
+pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Teacher compute and storage dtype.")
 flags.DEFINE_string("data", None, "Regen cache JSONL.")
 flags.DEFINE_string("draft_config", None, "Draft config.json (its target_layer_ids are captured).")
 flags.DEFINE_string("out", None, "Shard directory.")
@@ -37,6 +39,7 @@ flags.mark_flags_as_required(["data", "draft_config", "out"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    pair_flags.require_one_device("train.teacher")
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     t0 = time.time()
 

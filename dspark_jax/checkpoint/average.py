@@ -20,9 +20,10 @@ import numpy as np
 
 from dspark_jax.checkpoint.draft_io import (CONFIG_FILE, SAFETENSORS_FILE, TorchDraft, load_draft, open_torch_draft,
                                             save_torch_draft)
-from dspark_jax.checkpoint.draft_layout import TORCHSPEC_METADATA, remap_vocabulary
+from dspark_jax.checkpoint.draft_layout import TORCHSPEC_METADATA
 from dspark_jax.checkpoint.orbax_io import staging
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, save_arrays
+from dspark_jax.models.draft_surgery import remap_vocabulary
 
 
 def _check_same_layout(first: TorchDraft, other: TorchDraft) -> None:
@@ -41,7 +42,7 @@ def _check_same_layout(first: TorchDraft, other: TorchDraft) -> None:
 
 def move_to_vocabulary(src: str | Path, target_ids: Sequence[int], dst: str | Path) -> TorchDraft:
     """Write the torch-layout draft `src` moved to the draft vocabulary `target_ids` (ascending target
-    ids; `draft_layout.remap_vocabulary`: the Markov output rows of the ids it held, zero rows for
+    ids; `draft_surgery.remap_vocabulary`: the Markov output rows of the ids it held, zero rows for
     the others, every other tensor as it was) to `dst`, in its own dtype. Atomic."""
     ids = np.asarray(target_ids, np.int64)
     raw = json.loads(open_torch_draft(src).config_bytes)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from dspark_jax.data import benchmarks, dedup, magpie, registry
+from dspark_jax.data import dedup, eval_sets, magpie, registry
 
 POOL_SOURCES = ("gsm8k_train", "math_train", "ifeval", "stdlib_code")
 
@@ -299,6 +299,6 @@ def build_prompt_pool(*, sources: Sequence[str] = POOL_SOURCES, max_per_source: 
     say(f"loading prompt sources: {', '.join(sources)}")
     rows = load_sources(sources, magpie_cache=magpie_cache, magpie_first=magpie_first, **fetch_kw)
     say("loading benchmark sets for decontamination")
-    contamination = benchmarks.contamination_texts(aime_file, **fetch_kw)
+    contamination = eval_sets.contamination_texts(aime_file, **fetch_kw)
     return build_pool(rows, contamination, max_per_source=max_per_source, seed=seed,
                       exclude_ids=exclude_ids, log=log)

@@ -29,7 +29,7 @@ from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP
 from dspark_jax.layers.moe import MoE
 from dspark_jax.layers.norms import RMSNorm
-from dspark_jax.models.outputs import ForwardOutput, TargetLM
+from dspark_jax.models.target import ForwardOutput, TargetLM
 
 
 class Residual(NamedTuple):

@@ -28,7 +28,7 @@ from dspark_jax.layers.linear import Embed, Linear, linear_io
 from dspark_jax.layers.mlp import glu
 from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.rope import RotaryEmbedding
-from dspark_jax.models.outputs import ForwardOutput, TargetLM
+from dspark_jax.models.target import ForwardOutput, TargetLM
 from dspark_jax.numerics import einsum_acc
 
 

@@ -1,2 +1,2 @@
 """Serving: the engine thread over the shared `Batcher`, the OpenAI-compatible HTTP app, Prometheus
-metrics, model resolution for the entry points, and the acceptance benchmark."""
+metrics, the model pair of the entry points (its flags, its loading) and the acceptance card."""

@@ -1,7 +1,7 @@
 """Held-out served acceptance during training: eval, history, learning curve.
 
 - `HeldOutEval`: served tok/fwd of the CURRENT draft weights on a small fixed prompt set, through
-  the serving path (`dspark_jax.generate`, T=0, chat template for text prompts). The default set
+  the serving path (`acceptance.measure_acceptance`: `generate()`, T=0, chat template for text prompts). The default set
   is GSM8K-test prompts 60..60+N: `benchmarks.acceptance` measures the first 60, so the training
   curve never looks at the benchmark's prompts. One `Engine` is kept and only its draft state is
   swapped per eval, so the compiled programs are reused (a fresh draft object would recompile).
@@ -28,7 +28,7 @@ GSM8K_BENCHMARK_PROMPTS = 60      # benchmarks.acceptance --gsm8k 60 reads GSM8K
 
 def gsm8k_heldout_prompts(n: int, start: int = GSM8K_BENCHMARK_PROMPTS) -> list[list[dict]]:
     """GSM8K-test prompts start..start+n as chat conversations (one user turn each)."""
-    from dspark_jax.data.benchmarks import load_gsm8k
+    from dspark_jax.data.eval_sets import load_gsm8k
     if start < GSM8K_BENCHMARK_PROMPTS:
         raise ValueError(f"held-out prompts must start at >= {GSM8K_BENCHMARK_PROMPTS} (the acceptance "
                          f"benchmark's GSM8K prompts), got {start}")
@@ -87,24 +87,17 @@ class HeldOutEval:
         return self._engine
 
     def __call__(self, draft) -> dict:
-        from dspark_jax.generate import generate
+        from dspark_jax.acceptance import measure_acceptance
         t0 = time.time()
         engine = self._engine_for(draft)
-        steps = accepted = drafted = produced = 0
-        at_pos = [0.0] * self.t
-        for i in range(0, len(self.prompts), self.batch_size):
-            res = generate(self.target, draft, self.prompts[i:i + self.batch_size], max_new_tokens=self.max_new_tokens,
-                           num_speculative_tokens=self.t, engine=engine, tokenizer=self.tokenizer)
-            produced += sum(len(o.token_ids) for o in res.outputs)
-            st = res.stats
-            steps += st["num_verify_steps"]
-            accepted += st["total_accepted_tokens"]
-            drafted += st["total_draft_tokens"]
-            at_pos = [a + p * st["num_verify_steps"] for a, p in zip(at_pos, st["per_position_acceptance"])]
-        steps = max(steps, 1)
-        return {"tok_per_fwd": 1.0 + accepted / steps, "acceptance_rate": accepted / max(drafted, 1),
-                "per_position_acceptance": [a / steps for a in at_pos], "prompts": len(self.prompts),
-                "generated_tokens": produced, "verify_steps": steps, "eval_seconds": time.time() - t0}
+        run = measure_acceptance(self.target, draft, self.prompts, max_new_tokens=self.max_new_tokens,
+                                 num_speculative_tokens=self.t, batch_size=self.batch_size, engine=engine,
+                                 tokenizer=self.tokenizer)
+        st = run.stats.to_dict()
+        return {"tok_per_fwd": st["average_tokens_per_forward"], "acceptance_rate": st["acceptance_rate"],
+                "per_position_acceptance": st["per_position_acceptance"], "prompts": len(self.prompts),
+                "generated_tokens": run.generated_tokens, "verify_steps": max(st["num_verify_steps"], 1),
+                "eval_seconds": time.time() - t0}
 
 
 class _IdsOnlyTokenizer:

@@ -3,9 +3,10 @@ both turns in one conversation), AIME 2026 (30, from a user JSONL), greedy (T=0)
 chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
 `average_tokens_per_forward`), acceptance % (accepted / drafted) and the number of prompts.
 
-Generation goes through the serving stack: one `Engine` per draft and one-slot `Batcher`s, the
-loop the server runs. With a reference draft the same prompts run again and the ratio table
-(ours / reference, per benchmark and the mean) compares the two on the same stack.
+Generation goes through the serving stack: one `Engine` per draft, each turn measured by
+`acceptance.measure_acceptance` (one-slot `Batcher`s, the loop the server runs). With a reference
+draft the same prompts run again and the ratio table (ours / reference, per benchmark and the
+mean) compares the two on the same stack.
 
 A full-count run is long on small hardware: with a `Journal` every finished item is appended to
 a JSONL file (its record and its own statistics), and a rerun with the same settings restores
@@ -22,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dspark_jax.batcher import Batcher, Request
-from dspark_jax.data.benchmarks import BenchItem, load_benchmark
+from dspark_jax.acceptance import measure_acceptance
+from dspark_jax.data.eval_sets import BenchItem, load_benchmark
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import encode_prompt, eos_ids, output_text
+from dspark_jax.generate import encode_prompt
 from dspark_jax.stats import SpecStats
 
 CARD_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt_bench": "MT-Bench", "aime": "AIME 2026"}
@@ -73,48 +74,37 @@ class BenchResult:
 
 
 class Runner:
-    """Greedy, concurrency-1 generation of benchmark conversations for one (target, draft).
-
-    One-slot batchers are kept per cache capacity (powers of two from 256 up to the config's
-    `max_len_for(target)`), so a short conversation does not hold a cache sized for the longest one.
-    `max_turns` cuts multi-turn items (MT-Bench first turns: 1)."""
+    """Greedy, concurrency-1 generation of benchmark conversations for one (target, draft): each
+    turn is one `measure_acceptance` call on the kept `Engine` (its cache sized by `generate()` in
+    powers of two up to the config's `max_len_for(target)`, so a short conversation does not hold
+    a cache sized for the longest one). `max_turns` cuts multi-turn items (MT-Bench first turns: 1)."""
 
     def __init__(self, target, draft, tokenizer, config: EngineConfig, *, max_new_tokens: int,
                  max_turns: int | None = None):
         draft, config = config.for_pair(draft)
         self.engine = Engine(target, draft, config)
+        self.target, self.draft = target, draft
         self.max_model_len = config.max_len_for(target)
-        self._batchers: dict[int, Batcher] = {}
         self.tokenizer, self.max_new_tokens, self.max_turns = tokenizer, max_new_tokens, max_turns
-        self.eos = frozenset(eos_ids(target, tokenizer))
-
-    def _batcher(self, prompt_len: int) -> Batcher:
-        need = prompt_len + self.max_new_tokens + self.engine.t + 1
-        cap = 256
-        while cap < need:
-            cap *= 2
-        cap = min(cap, self.max_model_len)
-        if cap not in self._batchers:
-            self._batchers[cap] = Batcher(self.engine, 1, cap)
-        return self._batchers[cap]
 
     def run_item(self, item: BenchItem, stats: SpecStats) -> dict:
         """All turns of one item in one conversation; returns its per-item record."""
         answers, record = [], {"id": item.id, "turns": []}
         for _ in item.turns[:self.max_turns]:
             ids = encode_prompt(item.conversation(answers), self.tokenizer, True, item.id)
-            req = Request(ids, self.max_new_tokens, eos_ids=self.eos)
             try:
-                self._batcher(len(ids)).run([req])
+                run = measure_acceptance(self.target, self.draft, [ids], max_new_tokens=self.max_new_tokens,
+                                         num_speculative_tokens=self.engine.t, batch_size=1, engine=self.engine,
+                                         tokenizer=self.tokenizer, max_model_len=self.max_model_len)
             except RequestError as e:
                 raise RequestError(f"{item.id}: {e} (raise --max_model_len)") from None
-            answers.append(output_text(req.tokens, self.tokenizer, self.eos, ()))
-            stats.merge(req.stats)
-            st = req.stats.to_dict()
-            record["turns"].append({"prompt_tokens": len(ids), "generated_tokens": len(req.tokens),
-                                    "finish_reason": req.finish_reason,
-                                    "tok_per_fwd": st["average_tokens_per_forward"],
-                                    "verify_steps": st["num_verify_steps"]})
+            out = run.outputs[0]
+            answers.append(out.text)
+            stats.merge(run.per_prompt[0])
+            record["turns"].append({"prompt_tokens": len(ids), "generated_tokens": len(out.token_ids),
+                                    "finish_reason": out.finish_reason,
+                                    "tok_per_fwd": out.stats["average_tokens_per_forward"],
+                                    "verify_steps": out.stats["num_verify_steps"]})
         return record
 
 

@@ -1,0 +1,1 @@
+"""Measurement libraries shared by the benchmark programs (benchmarks/) and their tests."""

@@ -1,0 +1,36 @@
+"""Shared by the training tests: a tiny run's inputs on disk (target directory, draft config,
+regen cache), as `train.distill` and scripts/gpu_distill.sh read them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax import params as params_lib
+from dspark_jax.checkpoint.safetensors_io import save_arrays
+
+# tests/gen_utils.py tiny_llama(0)'s config
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": None,
+              "rms_norm_eps": 1e-5}
+
+
+def write_tiny_run_inputs(root: Path, pair, samples) -> dict[str, Path]:
+    target, draft = pair
+    tdir = root / "target"
+    tdir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_arrays(tdir / "model.safetensors", {k: np.asarray(v.get_value()) for k, v in params_lib.flat_params(target).items()})
+    cfg_path = root / "draft.json"
+    cfg_path.write_text(json.dumps(dict(draft.cfg.raw)))
+    data = root / "regen.jsonl"
+    with open(data, "w") as f:
+        for s in samples:
+            n = int(np.argmax(s.loss_mask))
+            f.write(json.dumps({"id": s.id, "source": "t", "prompt_ids": s.input_ids[:n].tolist(),
+                                "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
+                                "answer_text": ""}) + "\n")
+    return {"target": tdir, "draft_config": cfg_path, "data": data}
