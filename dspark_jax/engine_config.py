@@ -21,7 +21,7 @@ from dspark_jax.schedule import VerifyCost
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
 
-# --dtype of the entry points (serving.models.resolve_dtype): the compute dtype the pair is loaded in
+# --dtype of the entry points (serving.pair.resolve_dtype): the compute dtype the pair is loaded in
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "auto")
 DTYPE_HELP = ("Target compute dtype (the draft follows it): auto = bfloat16 on GPUs/TPUs and on CPUs whose XLA "
               "runs bf16 GEMMs natively (AVX-512 BF16 / AMX; numerics.native_bf16_gemm), else as stored; "

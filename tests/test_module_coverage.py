@@ -51,7 +51,6 @@ UNTESTED_BY_NAME = {
     "layers/linear.py": "the dense projection under every model: tests/test_bf16_casts.py, tests/test_llama.py",
     "layers/mla.py": "MLA with its rope: tests/test_rope_mla.py",
     "layers/mlp.py": "the MLP with the MoE's experts: tests/test_moe_attnres.py",
-    "layers/moe.py": "the MoE with the attention residuals: tests/test_moe_attnres.py",
     "layers/mxfp4.py": "MXFP4 experts with the MoE: tests/test_moe_attnres.py",
     "layers/norms.py": "the norms under every model: tests/test_bf16_casts.py, tests/test_llama.py",
     "layers/rope.py": "rope with MLA: tests/test_rope_mla.py, tests/test_dspark_draft.py (YaRN)",
