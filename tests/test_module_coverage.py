@@ -114,3 +114,17 @@ def test_every_reason_names_test_modules_that_exist():
         assert named, f"{module}: the reason names no test module"
         for name in named:
             assert (ROOT / "tests" / name).exists(), f"{module}: {name} does not exist"
+
+
+MAX_LINES = 450
+REASON = re.compile(r"over 450 lines")
+
+
+def test_long_modules_say_why_at_their_top():
+    """A package module over MAX_LINES says, in its first 40 lines, why it stays one module."""
+    quiet = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_LINES + 10 and not REASON.search("\n".join(lines[:40])):
+            quiet.append(f"{path.relative_to(ROOT)} ({len(lines)} lines)")
+    assert not quiet, f"modules over {MAX_LINES} lines with no reason at their top: {quiet}"
