@@ -8,10 +8,6 @@ run time: they are the routed (token, expert) pairs, not experts x tokens."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +18,9 @@ from flax import nnx
 from dspark_jax.layers import moe as moe_lib
 from dspark_jax.layers.moe import MoE, dense_expert_mixture, expert_mixture
 from dspark_jax.layers.mxfp4 import mxfp4_dequantize
+from tests.device_utils import on_eight_devices
 from tests.float64 import assert_close, x64
-from tests.test_moe_attnres import MXFP4, k3_cfg, np_situ, randomize
+from tests.moe_utils import MXFP4, k3_cfg, np_situ, randomize
 
 DIN, INTER = 32, 32        # MXFP4 groups are 32 wide: both input widths are one group
 
@@ -216,20 +213,7 @@ def _ep_check():
 
 
 def test_expert_parallel_routed_equals_dense():
-    if jax.device_count() >= 8:
-        _ep_check()
-        return
-    # this process has one CPU device: run the check where XLA can fake eight
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    code = textwrap.dedent("""
-        import sys; sys.path.insert(0, "tests")
-        import test_moe; test_moe._ep_check()
-    """)
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    on_eight_devices(_ep_check, "test_moe")
 
 
 def test_e2m1_codes_decode_to_the_table_values():
