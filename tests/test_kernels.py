@@ -352,10 +352,23 @@ def test_dispatch_routes_to_kernel_and_reference():
 
     with dispatch.use_kernels("off"):
         want = run()
-    with dispatch.use_kernels("on"):
+    with dispatch.use_kernels("on"), dispatch.record_paths() as calls:
         got = run()
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(g, w, TOL_F32, "dispatch")
+    entries = ["mla_paged_attention", "mla_prefill_attention", "kda_prefill", "kda_verify", "block_sparse_attention"]
+    assert calls == [dispatch.KernelCall(e, "kernel", 1) for e in entries]
+    if jax.device_count() < 2:
+        return
+    # under a context mesh with the heads (2 everywhere here) on a tensor axis of 2: one kernel
+    # per device on its own head, inside a shard_map, same numbers
+    from dspark_jax.sharding import make_mesh
+
+    with jax.set_mesh(make_mesh(tensor=2)), dispatch.use_kernels("on"), dispatch.record_paths() as calls:
+        got = run()
+    assert calls == [dispatch.KernelCall(e, "kernel", 2) for e in entries]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _close(g, w, TOL_F32, "dispatch under the mesh")
 
 
 def test_mla_paged_auto_crossover(monkeypatch):
