@@ -51,6 +51,7 @@ def test_k3_kernels_per_device_under_the_mesh_match_one_device_reference(request
     from dspark_jax.sharding import make_mesh, shard_module
 
     target = tiny_k3(0)
+    draft = tiny_draft(target, 1, layer_ids=(1, 3))
     ps = prompts(2, target.cfg.vocab_size, seed=3, lo=5, hi=12)
     with use_kernels("off"):
         want = generate(target, None, ps, max_new_tokens=3)
@@ -59,7 +60,10 @@ def test_k3_kernels_per_device_under_the_mesh_match_one_device_reference(request
     assert sharded.model.layers[0].self_attn.q_proj.weight.get_value().sharding.spec[0] == "tensor"
     with use_kernels("interpret"), record_paths() as calls:
         got = generate(sharded, None, ps, max_new_tokens=3)
-    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+        # speculative: the verify's KDA snapshots and the draft's block attention, sharded too
+        got_spec = generate(sharded, shard_module(draft, mesh), ps, max_new_tokens=3, num_speculative_tokens=2)
+    for out in (got, got_spec):
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in want.outputs]
     entries = {c.entry for c in calls}
-    assert {"kda_prefill", "mla_paged_attention"} <= entries, calls
+    assert {"kda_prefill", "kda_verify", "mla_paged_attention"} <= entries, calls
     assert all(c == KernelCall(c.entry, "kernel", 2) for c in calls), calls
