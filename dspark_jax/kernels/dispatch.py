@@ -163,18 +163,17 @@ def _head_spec(ndim: int, axis: int | None) -> P:
 
 
 def _run_kernel(entry: str, kernel: Callable, args: Sequence[jax.Array], head_axes: Sequence[int | None],
-                out_head_axes: Sequence[int], heads: int):
-    """`kernel(*args)` (a tuple of arrays out), inside a shard_map over the heads when a mesh
-    shards them. Only the tensor axis is manual, as in the MoE: a data/fsdp split of the batch
-    stays with the compiler."""
+                outs: Sequence[tuple[int, int]], heads: int):
+    """`kernel(*args)` (a tuple of arrays out, each (rank, head axis) in `outs`), inside a
+    shard_map over the heads when a mesh shards them. Only the tensor axis is manual, as in the
+    MoE: a data/fsdp split of the batch stays with the compiler."""
     mesh = _head_mesh(args, heads)
     if mesh is None:
         _record(entry, "kernel")
         return kernel(*args)
     _record(entry, "kernel", mesh.shape[HEAD_AXIS])
     in_specs = tuple(_head_spec(a.ndim, ax) for a, ax in zip(args, head_axes))
-    out_shapes = jax.eval_shape(kernel, *args)
-    out_specs = tuple(_head_spec(o.ndim, ax) for o, ax in zip(out_shapes, out_head_axes))
+    out_specs = tuple(_head_spec(ndim, ax) for ndim, ax in outs)
     # pallas_call carries no varying-axes typing; every output is per-head (no collectives).
     # jit: an eager shard_map manual over only some axes is refused (JAX 0.10); inside a
     # caller's jit this is an inline call
@@ -208,7 +207,7 @@ def mla_paged_attention(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
                                              scale, causal=causal, row=row)
     kernel = lambda *a: (mla_paged.mla_paged_kernel(*a, scale, causal=causal, row=row, interpret=interpret),)
     args = (q_lat_BTNC, q_rope_BTNR, as_values(pages), block_table_BP, positions_BT)
-    return _run_kernel("mla_paged_attention", kernel, args, (2, 2, None, None, None), (2,),
+    return _run_kernel("mla_paged_attention", kernel, args, (2, 2, None, None, None), ((4, 2),),
                        q_lat_BTNC.shape[2])[0]
 
 
@@ -223,12 +222,13 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_rope_BTNR: jax.Array, k_nope
         _record("mla_prefill_attention", "reference")
         return mla_prefill.mla_prefill_reference(*args, scale)
     kernel = lambda *a: (mla_prefill.mla_prefill_kernel(*a, scale, interpret=interpret),)
-    return _run_kernel("mla_prefill_attention", kernel, args, (2, 2, 2, None, 2, None), (2,),
+    return _run_kernel("mla_prefill_attention", kernel, args, (2, 2, 2, None, 2, None), ((4, 2),),
                        q_nope_BTNH.shape[2])[0]
 
 
-# KDA: q, k, v, g [B,T,H,*], beta [B,T,H], state [B,H,K,V]: heads at axis 2, the state's at 1
+# KDA inputs: q, k, v, g [B,T,H,*], beta [B,T,H], state [B,H,K,V]: heads at axis 2, the state's at 1
 _KDA_HEAD_AXES = (2, 2, 2, 2, 2, 1)
+_KDA_OUTS = ((4, 2), (4, 1))    # o [B,T,H,V], state [B,H,K,V] (+ snapshots [B,T,H,K,V])
 
 
 def kda_prefill(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *, chunk_size: int = 64,
@@ -241,7 +241,7 @@ def kda_prefill(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
         _record("kda_prefill", "reference")
         return kda_reference.kda_chunked(*args, chunk_size=chunk_size, return_snapshots=return_snapshots)
     kernel = lambda *a: kda_chunked.kda_chunked_kernel(*a, interpret=interpret)[:2]
-    o, state = _run_kernel("kda_prefill", kernel, args, _KDA_HEAD_AXES, (2, 1), k_BTHK.shape[2])
+    o, state = _run_kernel("kda_prefill", kernel, args, _KDA_HEAD_AXES, _KDA_OUTS, k_BTHK.shape[2])
     return o, state, None
 
 
@@ -256,9 +256,9 @@ def kda_verify(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV, *,
         return kda_reference.kda_recurrent(*args, return_snapshots=return_snapshots)
     if return_snapshots:
         kernel = lambda *a: kda_chunked.kda_recurrent_kernel(*a, return_snapshots=True, interpret=interpret)
-        return _run_kernel("kda_verify", kernel, args, _KDA_HEAD_AXES, (2, 1, 2), k_BTHK.shape[2])
+        return _run_kernel("kda_verify", kernel, args, _KDA_HEAD_AXES, _KDA_OUTS + ((5, 2),), k_BTHK.shape[2])
     kernel = lambda *a: kda_chunked.kda_recurrent_kernel(*a, interpret=interpret)[:2]
-    o, state = _run_kernel("kda_verify", kernel, args, _KDA_HEAD_AXES, (2, 1), k_BTHK.shape[2])
+    o, state = _run_kernel("kda_verify", kernel, args, _KDA_HEAD_AXES, _KDA_OUTS, k_BTHK.shape[2])
     return o, state, None
 
 
@@ -275,5 +275,5 @@ def block_sparse_attention(q_nope_BATNH: jax.Array, q_rope_BATNR: jax.Array, kv_
         _record("block_sparse_attention", "reference")
         return block_sparse.multi_anchor_shared(*args, scale)
     kernel = lambda *a: (block_sparse.multi_anchor_kernel(*a, scale, interpret=interpret),)
-    return _run_kernel("block_sparse_attention", kernel, args, (3, 3, None, None, 0, 0, None), (3,),
+    return _run_kernel("block_sparse_attention", kernel, args, (3, 3, None, None, 0, 0, None), ((5, 3),),
                        q_nope_BATNH.shape[3])[0]
