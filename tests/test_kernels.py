@@ -335,7 +335,8 @@ def test_dispatch_modes(monkeypatch):
 
 
 def test_dispatch_routes_to_kernel_and_reference():
-    """The entry points give the same numbers either way (kernels forced on = interpret here)."""
+    """The entry points give the same numbers either way (kernels forced on = interpret here),
+    also split over the heads of a mesh, gradients included; the dispatch records each path."""
     q_lat, q_rope, pages, table, positions = _paged_inputs(FP8, jnp.float32, 3)
     kda_args = _kda_inputs(37, -5.0, seed=5)       # the chunked test's shapes: cached compiles
     verify_args = tuple(x[:, :8] for x in kda_args[:5]) + kda_args[5:]
@@ -352,10 +353,37 @@ def test_dispatch_routes_to_kernel_and_reference():
 
     with dispatch.use_kernels("off"):
         want = run()
-    with dispatch.use_kernels("on"):
+    with dispatch.use_kernels("on"), dispatch.record_paths() as calls:
         got = run()
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(g, w, TOL_F32, "dispatch")
+    entries = ["mla_paged_attention", "mla_prefill_attention", "kda_prefill", "kda_verify", "block_sparse_attention"]
+    assert calls == [dispatch.KernelCall(e, "kernel", 1) for e in entries]
+    if jax.device_count() < 2:
+        return
+    # under a context mesh with the heads (2 everywhere here) on a tensor axis of 2: one kernel
+    # per device on its own head, inside a shard_map, same numbers
+    from dspark_jax.sharding import make_mesh
+
+    with jax.set_mesh(make_mesh(tensor=2)), dispatch.use_kernels("on"), dispatch.record_paths() as calls:
+        got = run()
+    assert calls == [dispatch.KernelCall(e, "kernel", 2) for e in entries]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _close(g, w, TOL_F32, "dispatch under the mesh")
+
+    # training differentiates the draft's attention: the replicated latent rows' gradient is
+    # the sum over the devices' heads
+    def grads():
+        loss = lambda *a: jnp.sum(dispatch.block_sparse_attention(*a, ctx_len, 0.3) ** 2)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*ma_args)
+
+    with dispatch.use_kernels("off"):
+        want = grads()
+    with jax.set_mesh(make_mesh(tensor=2)), dispatch.use_kernels("on"), dispatch.record_paths() as calls:
+        got = grads()
+    assert calls == [dispatch.KernelCall("block_sparse_attention", "kernel", 2)]
+    for name, g, w in zip(("q_nope", "q_rope", "kv_ctx", "kv_blk", "w_uk", "w_uv"), got, want):
+        _close(g, w, TOL_F32, f"d{name} under the mesh")
 
 
 def test_mla_paged_auto_crossover(monkeypatch):
