@@ -241,6 +241,8 @@ BAD = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}), 400, "messages[0].content"),
     ("/v1/chat/completions", json.dumps([1, 2]), 400, "JSON object"),
     ("/v1/chat/completions", json.dumps({"messages": "hi"}), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400,
+     "messages[0].role: unknown role 'wizard'"),
     # over --max_request_bytes (declared by Content-Length): refused before the body is read
     ("/v1/completions", json.dumps({"prompt": "x" * MAX_REQUEST_BYTES}), 413,
      f"max_request_bytes={MAX_REQUEST_BYTES}"),
