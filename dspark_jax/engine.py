@@ -284,6 +284,10 @@ class Engine:
                                      temperature=temperature, top_p=top_p,
                                      key=k_draft if temperature > 0 else None)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
+            # on with the pool holding the block's draft rows (draft_context overwrites them below):
+            # going on from the pool before them would keep two versions of the whole pool alive,
+            # a copy of it in every step
+            caches = caches._replace(pool=prop.pool)
         else:
             drafts = jnp.zeros((b, 0), x0_B.dtype)
         t = drafts.shape[1]
