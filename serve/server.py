@@ -37,8 +37,9 @@ flags.DEFINE_float("stats_interval", 10.0, "Seconds between [MTP Stats] log line
 flags.DEFINE_integer("seed", 0, "Sampling seed of the engine (requests with temperature > 0).")
 flags.DEFINE_bool("warmup", True, "Compile the programs requests can meet (batch x length buckets, greedy and "
                   "the API's default sampling) before accepting requests.")
-flags.DEFINE_integer("warmup_max_programs", None, "Compile at most this many programs at warm-up, the cheapest "
-                     "shapes first (default: all of them).", lower_bound=0)
+flags.DEFINE_integer("warmup_max_programs", 32, "Compile at most this many programs at warm-up, the cheapest "
+                     "shapes first (the rest compile on first use, once per compilation cache); unset: all.",
+                     lower_bound=0)
 flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache, so a restart compiles "
                     "nothing (default: $DSPARK_COMPILATION_CACHE, else ~/.cache/dspark_jax/xla; 'off' disables).")
 
