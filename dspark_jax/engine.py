@@ -8,8 +8,10 @@
   context rows. T = 0 is plain decoding through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, span); `Engine.prefill/propose/step` call them with the engine's own
-states. The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
+static setting (sampling, span) and batch shape; its rows name their cache slots, so a call
+computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
+call them with the engine's own states (`Engine.compile_only`: compile without running, the
+warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dspark_jax import steps
-from dspark_jax.cache import KDAStates, PagedPool, TargetCaches, bits_storage, storage_dtype
+from dspark_jax.cache import PagedPool, TargetCaches, bits_storage, storage_dtype
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.sampling import sample_tokens
