@@ -284,7 +284,7 @@ class Engine:
             prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
                                      caches.pool, target.attention_rows, self.t,
                                      temperature=temperature, top_p=top_p,
-                                     key=k_draft if temperature > 0 else None)
+                                     key=k_draft if temperature > 0 else None, active_B=active_B)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
             # on with the pool holding the block's draft rows (draft_context overwrites them below):
             # going on from the pool before them would keep two versions of the whole pool alive,
