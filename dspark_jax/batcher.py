@@ -3,7 +3,13 @@ server, the benchmark and answer generation drive.
 
 `Request` is one sequence (its prompt, limits, sampling and what it produced); `Batcher` admits
 waiting requests into free slots (one prefill of just the new rows), then runs one propose/verify
-`Engine.step` over every occupied slot and hands the emitted tokens back.
+`Engine.step` over the running sequences and hands the emitted tokens back.
+
+Every program call computes only the rows it needs, padded to a batch bucket (1, 2, 4, ... up to
+the slot count; `batch_bucket`), over the positions its longest row can reach, bucketed too
+(`Batcher._span`): one user on an 8-slot server pays for one row, and a short sequence in a
+long-context server for its own length. The pool and the slots stay as allocated; the rows carry
+their slot numbers (`Engine.step_fn`'s `rows_B`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.engine import Engine, sampling_key
@@ -49,9 +54,8 @@ class Batcher:
     """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
 
     Each `step()` admits waiting requests into free slots (one prefill of just the new rows; the
-    other slots' caches are untouched) and then runs one propose/verify step over the occupied
-    slots. Slots whose requests use another sampling setting sit that step out (they are
-    inactive rows) and go next, round robin. Finished or aborted requests free their slot at
+    other slots' caches are untouched) and then runs one propose/verify step over the running
+    slots of one sampling setting (the others go next, round robin), padded to a batch bucket. Finished or aborted requests free their slot at
     once. `generate()`, the HTTP server and the benchmark all drive this loop."""
 
     def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
@@ -167,19 +171,14 @@ class Batcher:
         groups: dict[tuple[float, float], list[Request]] = {}
         for r in new:
             groups.setdefault(r.sampling, []).append(r)
-        eng = self.engine
         for (temperature, top_p), reqs in groups.items():
-            p = min(pow2(len(reqs)), self.num_slots)
-            s = prefill_bucket(max(len(r.prompt) for r in reqs))
-            tokens = np.zeros((p, s), np.int32)
-            lens = np.zeros(p, np.int32)
-            slots = np.full(p, self.num_slots, np.int32)      # padding rows: out of range, dropped
+            rows = self.batch_rows([r.slot for r in reqs])
+            tokens = np.zeros((len(rows), prefill_bucket(max(len(r.prompt) for r in reqs))), np.int32)
+            lens = np.zeros(len(rows), np.int32)
             for j, r in enumerate(reqs):
                 tokens[j, :len(r.prompt)] = r.prompt
-                lens[j], slots[j] = len(r.prompt), r.slot
-            first, self.caches = eng.prefill(tokens, lens, slots, self.caches, self._next_key(),
-                                             temperature=temperature, top_p=top_p, span=self._span(s))
-            first = np.asarray(first)
+                lens[j] = len(r.prompt)
+            first = self.run_prefill(tokens, lens, rows, temperature, top_p)
             for j, r in enumerate(reqs):
                 self.lens[r.slot], self.x0[r.slot] = lens[j], first[j]
                 r.tokens.append(int(first[j]))
@@ -193,48 +192,38 @@ class Batcher:
         groups = list(dict.fromkeys(r.sampling for r in running))
         temperature, top_p = groups[self._turn % len(groups)]
         self._turn += 1
-        active = np.array([s is not None and s.sampling == (temperature, top_p) for s in self.slots])
-        eng, t = self.engine, self.engine.t
+        # the step computes this sampling group's slots only, padded to a batch bucket
+        slots = [i for i, s in enumerate(self.slots) if s is not None and s.sampling == (temperature, top_p)]
+        m = len(slots)
+        rows = self.batch_rows(slots)
+        x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
+        x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
+        t = self.engine.t
         off = self.disable_by_batch_size
-        plain = bool(t) and off is not None and int(active.sum()) >= off
+        plain = bool(t) and off is not None and m >= off
         # a one-token step needs no room for drafts: the span bucket a plain engine would use
-        span = self._span(int(self.lens[active].max()) + (0 if plain else t) + 1)
-        given = logits = limits = None
+        span = self._span(int(lens[:m].max()) + (0 if plain else t) + 1)
+        drafts = None
         if plain:     # no drafts this step: a one-token step (the draft's context rows are still written)
-            given = jnp.zeros((self.num_slots, 0), jnp.int32)
+            drafts = np.zeros((len(rows), 0), np.int32)
         elif self.proposer is not None:
-            given = jnp.asarray([self.proposer(s.index, s.tokens, t) if active[i] else [0] * t
-                                 for i, s in enumerate(self.slots)], jnp.int32).reshape(self.num_slots, t)
-        elif eng.schedule is not None:
-            given, logits, conf, self.caches = eng.propose(
-                self.x0.copy(), self.lens.copy(), self.caches, self._next_key(),
-                temperature=temperature, top_p=top_p, span=span)
-            lengths = np.zeros(self.num_slots, np.int32)
-            lengths[active] = verify_lengths(np.asarray(conf)[active], eng.schedule)
-            width = int(lengths.max())     # the step verifies x0 + `width` drafts (T+1 compilations)
-            given, limits = given[:, :width], jnp.asarray(lengths)
-            logits = logits[:, :width] if temperature > 0 else None
-        # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
-        # cost more host time per step); copies, as x0/lens change in place after the call
-        n, emitted, self.caches = eng.step(self.x0.copy(), self.lens.copy(), active, np.int32(self.max_len),
-                                           self.caches, self._next_key(), drafts_BT=given,
-                                           given_logits_BTV=logits, limit_B=limits, temperature=temperature,
-                                           top_p=top_p, span=span)
+            drafts = np.zeros((len(rows), t), np.int32)
+            for j, i in enumerate(slots):
+                drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)
+        n, emitted, lengths = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts)
         self.num_steps += 1
-        n, emitted = np.asarray(n), np.asarray(emitted)
         touched = []
-        for i, r in enumerate(self.slots):
-            if not active[i]:
-                continue
+        for j, i in enumerate(slots):
+            r = self.slots[i]
             if plain:
                 r.stats.plain_steps += 1
                 self.stats.plain_steps += 1
             elif t:
-                verified = t if limits is None else int(lengths[i])
-                r.stats.update(int(n[i]), verified)
-                self.stats.update(int(n[i]), verified)
-            new = [int(x) for x in emitted[i, :n[i] + 1]]
-            self.lens[i] += n[i] + 1
+                verified = t if lengths is None else int(lengths[j])
+                r.stats.update(int(n[j]), verified)
+                self.stats.update(int(n[j]), verified)
+            new = [int(x) for x in emitted[j, :n[j] + 1]]
+            self.lens[i] += n[j] + 1
             self.x0[i] = new[-1]
             for tok in new:
                 r.tokens.append(tok)
@@ -244,6 +233,51 @@ class Batcher:
                 self._finish(r, "length")      # the next anchor has no cache position left
             touched.append(r)
         return touched
+
+    def batch_rows(self, slots: Sequence[int]) -> np.ndarray:
+        """The slot of each row of a program call over `slots`: them, then padding rows (slot =
+        the number of slots: inactive, writing nothing) up to the batch bucket."""
+        rows = np.full(batch_bucket(max(len(slots), 1), self.num_slots), self.num_slots, np.int32)
+        rows[:len(slots)] = slots
+        return rows
+
+    def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, temperature: float,
+                    top_p: float) -> np.ndarray:
+        """One prefill call (rows past the prompts: slot = number of slots, length 0); the first
+        tokens. The warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
+        first, self.caches = self.engine.prefill(tokens_PS, lens_P, slots_P, self.caches, self._next_key(),
+                                                 temperature=temperature, top_p=top_p,
+                                                 span=self._span(tokens_PS.shape[1]))
+        return np.asarray(first)
+
+    def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int, span: int | None,
+                 temperature: float, top_p: float, drafts_BT: np.ndarray | None = None, *,
+                 verify_width: int | None = None):
+        """One decode step over the rows `rows_B` (`batch_rows`), the first `num_active` of them
+        running: with the confidence schedule, propose first and verify what it admits.
+        Returns (accepted [B], emitted [B, T+1], drafts verified per row [B] or None) on the host.
+        The warm-up calls it with `num_active = 0` (and the schedule's `verify_width` to compile)."""
+        eng = self.engine
+        active = np.arange(len(rows_B)) < num_active
+        logits = lengths = None
+        if drafts_BT is None and eng.schedule is not None:
+            drafts_BT, logits, conf, self.caches = eng.propose(
+                x0_B, lens_B, self.caches, self._next_key(), rows_B=rows_B,
+                temperature=temperature, top_p=top_p, span=span)
+            lengths = np.zeros(len(rows_B), np.int32)
+            if num_active:
+                lengths[:num_active] = verify_lengths(np.asarray(conf)[:num_active], eng.schedule)
+            # the step verifies x0 + `width` drafts (T+1 compilations)
+            width = int(lengths.max()) if verify_width is None else verify_width
+            drafts_BT = drafts_BT[:, :width]
+            logits = logits[:, :width] if temperature > 0 else None
+        # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
+        # cost more host time per step)
+        n, emitted, self.caches = eng.step(x0_B, lens_B, active, np.int32(self.max_len), self.caches,
+                                           self._next_key(), rows_B=rows_B, drafts_BT=drafts_BT,
+                                           given_logits_BTV=logits, limit_B=lengths, temperature=temperature,
+                                           top_p=top_p, span=span)
+        return np.asarray(n), np.asarray(emitted), lengths
 
     def _maybe_finish(self, r: Request) -> bool:
         out = r.tokens
@@ -262,6 +296,11 @@ class Batcher:
 def pow2(n: int) -> int:
     """The smallest power of two >= n (shape buckets: few compilations)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def batch_bucket(n: int, num_slots: int) -> int:
+    """Rows of a program call over n sequences: powers of two, capped at the slot count."""
+    return min(pow2(n), num_slots)
 
 
 def prefill_bucket(n: int) -> int:

@@ -117,8 +117,11 @@ class PagedPool(NamedTuple):
         return self._replace(pages=pages)
 
     def read(self, row: int | jax.Array, dtype, width: int | None = None) -> jax.Array:
-        """Every sequence's rows in logical order: `[B, max_len, width]` (position i at index i)."""
-        rows = as_values(self.pages[row][self.block_table])  # [B, pages_per_seq, page_size, W]
+        """Every sequence's rows in logical order: `[B, max_len, width]` (position i at index i).
+        One gather of the table's pages of `row` (slicing the row out first would copy it, the
+        whole pool's worth of that row on every read); page numbers past the pool (padding rows,
+        `engine.rows_table`) read the last page."""
+        rows = as_values(self.pages.at[row, self.block_table].get(mode="clip"))  # [B, pages_per_seq, page_size, W]
         b, n, ps, w = rows.shape
         rows = rows.reshape(b, n * ps, w)[..., :width or w]
         if rows.dtype == FP8:
@@ -135,6 +138,17 @@ class KDAStates(NamedTuple):
                dtype) -> "KDAStates":
         return KDAStates(jnp.zeros((n_layers, batch, kernel - 1, conv_width), dtype),
                          jnp.zeros((n_layers, batch, heads, head_dim, head_dim), jnp.float32))
+
+    def take(self, slots_B: jax.Array) -> "KDAStates":
+        """The states of slots `slots_B` (a slot out of range reads a real slot's state: such a
+        padding row must stay inactive)."""
+        return KDAStates(jnp.take(self.conv, slots_B, axis=1, mode="clip"),
+                         jnp.take(self.ssm, slots_B, axis=1, mode="clip"))
+
+    def put(self, slots_B: jax.Array, rows: "KDAStates") -> "KDAStates":
+        """These states with `rows` written into slots `slots_B` (slots out of range are dropped)."""
+        return KDAStates(self.conv.at[:, slots_B].set(rows.conv.astype(self.conv.dtype), mode="drop"),
+                         self.ssm.at[:, slots_B].set(rows.ssm, mode="drop"))
 
     def logical_axes(self) -> "KDAStates":
         """Channels / heads on the tensor axis, as the KDA layers' projections are."""

@@ -8,19 +8,24 @@
   context rows. T = 0 is plain decoding through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, span); `Engine.prefill/propose/step` call them with the engine's own
-states. The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
+static setting (sampling, span) and batch shape; its rows name their cache slots, so a call
+computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
+call them with the engine's own states (`Engine.compile_only`: compile without running, the
+warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from dspark_jax import steps
-from dspark_jax.cache import KDAStates, PagedPool, TargetCaches, bits_storage, storage_dtype
+from dspark_jax.cache import PagedPool, TargetCaches, bits_storage, storage_dtype
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.sampling import sample_tokens
@@ -116,18 +121,40 @@ class Engine:
 
     def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **static):
         """(first tokens [P], caches): see `prefill_fn`."""
-        return self.prefill_jit(self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
-                                serving=self.serving, **static)
+        return self._call(self.prefill_jit, self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
+                          serving=self.serving, **static)
 
-    def propose(self, x0_B, lens_B, caches: TargetCaches, key, **static):
+    def propose(self, x0_B, lens_B, caches: TargetCaches, key, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
-        return self.propose_jit(self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key, serving=self.serving,
-                                draft_head=self.draft_head, **static)
+        return self._call(self.propose_jit, self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key,
+                          serving=self.serving, draft_head=self.draft_head, **kw)
 
     def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, **kw):
         """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
-        return self.step_jit(self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len, caches,
-                             key, serving=self.serving, draft_head=self.draft_head, **kw)
+        return self._call(self.step_jit, self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len,
+                          caches, key, serving=self.serving, draft_head=self.draft_head, **kw)
+
+    @contextlib.contextmanager
+    def compile_only(self):
+        """Inside: `prefill`/`propose`/`step` compile their program for these arguments without
+        running it (the warm-up: a long prefill would take minutes to run on a CPU) and return
+        zeros of its outputs with the caches as given. A later call with arguments of the same
+        shapes runs the compiled program: jit keeps what `lower(...).compile()` built."""
+        self._compiling = True
+        try:
+            yield
+        finally:
+            self._compiling = False
+
+    _compiling = False
+
+    def _call(self, program, *args, **kw):
+        if not self._compiling:
+            return program(*args, **kw)
+        out = program.lower(*args, **kw).compile().out_info
+        caches = next(a for a in args if isinstance(a, TargetCaches))
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out[:-1])
+        return (*zeros, caches)
 
     @staticmethod
     def _check_pair(target, draft) -> None:
@@ -189,17 +216,17 @@ class Engine:
 
     def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, serving=None,
                       temperature: float | None = None, top_p: float | None = None, span: int | None = None):
-        """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = batch size,
+        """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = number of slots,
         length 0) while the other slots keep their state: only the new rows run. They see the
-        pool through their own block-table rows, start from zero KDA state (whatever the slot
-        held before) and their new KDA states are scattered back into their slots."""
+        pool through their own block-table rows (cut to `span`), start from zero KDA state
+        (whatever the slot held before) and their new KDA states are scattered back into their slots."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
         p, s = tokens_PS.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
         valid = positions < lens_P[:, None]
         full_table = caches.pool.block_table
-        table = span_table(jnp.take(full_table, slots_P, axis=0, mode="clip"), caches.pool.page_size, span)
+        table = rows_table(caches.pool, slots_P, span)
         sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
         last_P = jnp.maximum(lens_P - 1, 0)
         # the lm_head on the last prompt row alone, not on all S rows
@@ -211,18 +238,19 @@ class Engine:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
         kda = caches.kda
         if kda is not None:   # padding rows (slot out of range) are dropped
-            kda = KDAStates(kda.conv.at[:, slots_P].set(sub.kda.conv, mode="drop"),
-                            kda.ssm.at[:, slots_P].set(sub.kda.ssm, mode="drop"))
+            kda = kda.put(slots_P, sub.kda)
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
-    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, serving=None, draft_head=None,
-                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+    def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
+                   draft_head=None, temperature: float | None = None, top_p: float | None = None,
+                   span: int | None = None):
         """The draft's block pass alone (the confidence schedule looks at it before verifying).
-        `draft_head`: the draft's lm_head rows when its vocabulary is reduced (else the target's)."""
+        `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
+        its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
         full_table = caches.pool.block_table
-        pool = caches.pool._replace(block_table=span_table(full_table, caches.pool.page_size, span))
+        pool = caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span))
         embed, head = embed_and_head(target)
         prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B, pool,
                                  target.attention_rows, self.t,
@@ -231,19 +259,21 @@ class Engine:
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                   given_logits_BTV=None, limit_B=None, serving=None, draft_head=None,
-                   temperature: float | None = None, top_p: float | None = None, span: int | None = None):
-        """One propose/verify step over every slot; inactive rows write nothing and keep their
-        KDA state. `given_drafts_BT` (their width is the step's T) replaces the draft model's block
-        pass: an external proposer's drafts (greedy only), or `propose`'s output cut to the
-        schedule's widest row, with its logits (for sampling) and `limit_B` drafts per row.
-        `span` (a page multiple >= every active length + T + 1) bounds the positions attention
-        reads, so a step costs what the sequences hold, not max_len."""
+                rows_B=None, given_logits_BTV=None, limit_B=None, serving=None, draft_head=None,
+                temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """One propose/verify step over B rows; inactive rows write nothing and keep their KDA
+        state. `rows_B`: the cache slot of each row (padding rows: the number of slots, inactive),
+        so a step computes the running sequences only, padded to a batch bucket; None: row b is
+        slot b, over every slot. `given_drafts_BT` (their width is the step's T) replaces the
+        draft model's block pass: an external proposer's drafts (greedy only), or `propose`'s
+        output cut to the schedule's widest row, with its logits (for sampling) and `limit_B`
+        drafts per row. `span` (a page multiple >= every active length + T + 1) bounds the
+        positions attention reads, so a step costs what the sequences hold, not max_len."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
-        full_table = caches.pool.block_table
-        caches = caches._replace(pool=caches.pool._replace(
-            block_table=span_table(full_table, caches.pool.page_size, span)))
+        full_table, full_kda = caches.pool.block_table, caches.kda
+        caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span)),
+                              full_kda if full_kda is None or rows_B is None else full_kda.take(rows_B))
         k_draft, k_acc = jax.random.split(key)
         b = x0_B.shape[0]
         draft_logits = given_logits_BTV
@@ -254,8 +284,12 @@ class Engine:
             prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
                                      caches.pool, target.attention_rows, self.t,
                                      temperature=temperature, top_p=top_p,
-                                     key=k_draft if temperature > 0 else None)
+                                     key=k_draft if temperature > 0 else None, active_B=active_B)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
+            # on with the pool holding the block's draft rows (draft_context overwrites them below):
+            # going on from the pool before them would keep two versions of the whole pool alive,
+            # a copy of it in every step
+            caches = caches._replace(pool=prop.pool)
         else:
             drafts = jnp.zeros((b, 0), x0_B.dtype)
         t = drafts.shape[1]
@@ -274,14 +308,16 @@ class Engine:
         else:
             acc = steps.accept_greedy(out.logits, drafts, limit_B=limit)
         n = jnp.where(active_B, acc.num_accepted_B, 0)
+        kda = caches.kda
         if snaps is not None:
             # inactive rows: every snapshot equals the old state (nothing valid), so this keeps it
-            caches = caches._replace(kda=steps.commit_kda(caches.kda, snaps, n))
+            kda = steps.commit_kda(kda, snaps, n)
+            if rows_B is not None:     # back into the rows' slots; padding rows are dropped
+                kda = full_kda.put(rows_B, kda)
+        pool = caches.pool
         if draft is not None:
-            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, caches.pool,
-                                       target.attention_rows)
-            caches = caches._replace(pool=pool)
-        return n, acc.emitted_BT1, self._pinned(caches._replace(pool=caches.pool._replace(block_table=full_table)))
+            pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
+        return n, acc.emitted_BT1, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
 
 def cast_floating(state, dtype):
@@ -294,6 +330,16 @@ def cast_floating(state, dtype):
 def span_table(table, page_size: int, span: int | None):
     """The first pages of a block table that cover `span` positions (None: all of them)."""
     return table if span is None else table[:, :-(-span // page_size)]
+
+
+def rows_table(pool: PagedPool, rows_B, span: int | None):
+    """The block-table rows of slots `rows_B` (None: every slot), cut to `span` positions. A padding
+    row (slot out of range) gets page numbers past the pool: its writes are dropped
+    (`PagedPool.write`) and its reads clamped, so it can never touch a sequence's pages."""
+    table = pool.block_table
+    if rows_B is not None:
+        table = jnp.take(table, rows_B, axis=0, mode="fill", fill_value=pool.pages.shape[1])
+    return span_table(table, pool.page_size, span)
 
 
 def sampling_key(temperature: float, top_p: float) -> tuple[float, float]:

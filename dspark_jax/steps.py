@@ -76,11 +76,12 @@ class DraftProposal(NamedTuple):
 
 def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax.Array,
                 anchor_pos_B: jax.Array, pool: PagedPool, first_row: int, num_tokens: int, *,
-                temperature: float = 0.0, top_p: float = 1.0, key: jax.Array | None = None
-                ) -> DraftProposal:
+                temperature: float = 0.0, top_p: float = 1.0, key: jax.Array | None = None,
+                active_B: jax.Array | None = None) -> DraftProposal:
     """One block pass: block `[x0, M x (T-1)]` at positions p..p+T-1 (x0 = anchor at p) attends to
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
-    right (greedy at T=0, sampled from the biased distribution otherwise)."""
+    right (greedy at T=0, sampled from the biased distribution otherwise). `active_B`: rows whose
+    block rows are written (None: every row); the others read their own block but store nothing."""
     cfg = draft.cfg
     ids_BT = block_input_ids(anchor_B, num_tokens, cfg.mask_token_id)
     pos_BT = anchor_pos_B[:, None] + jnp.arange(num_tokens)[None]
@@ -92,7 +93,8 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
         # to the context before p and the whole block
         nonlocal pool
         row = first_row + layer
-        pool = pool.write(row, pos_BT, attn.latent_kv(a_BTD, pos_BT))
+        pool = pool.write(row, pos_BT, attn.latent_kv(a_BTD, pos_BT),
+                          None if active_B is None else jnp.broadcast_to(active_B[:, None], pos_BT.shape))
         return attn.attend_paged(a_BTD, pos_BT, pool, row, causal=False)
 
     h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)

@@ -32,7 +32,13 @@ flags.DEFINE_integer("max_queue_len", 256, "Requests allowed to wait for a slot;
                      lower_bound=1)
 flags.DEFINE_float("stats_interval", 10.0, "Seconds between [MTP Stats] log lines.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Sampling seed of the engine (requests with temperature > 0).")
-flags.DEFINE_bool("warmup", True, "Compile the decode step before accepting requests.")
+flags.DEFINE_bool("warmup", True, "Compile the programs requests can meet (batch x length buckets, greedy and "
+                  "the API's default sampling) before accepting requests.")
+flags.DEFINE_integer("warmup_max_programs", 32, "Compile at most this many programs at warm-up, the cheapest "
+                     "shapes first (the rest compile on first use, once per compilation cache); unset: all.",
+                     lower_bound=0)
+flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache, so a restart compiles "
+                    "nothing (default: $DSPARK_COMPILATION_CACHE, else ~/.cache/dspark_jax/xla; 'off' disables).")
 
 log = logging.getLogger("dspark_jax.serving")
 
@@ -41,7 +47,8 @@ def main(argv) -> None:
     del argv
     import uvicorn
 
-    from dspark_jax.batcher import Batcher, Request
+    from dspark_jax import warmup
+    from dspark_jax.batcher import Batcher
     from dspark_jax.engine import Engine
     from dspark_jax.errors import RequestError
     from dspark_jax.generate import eos_ids
@@ -64,6 +71,7 @@ def main(argv) -> None:
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     logging.getLogger("dspark_jax").setLevel(logging.INFO)
+    warmup.enable_compilation_cache(warmup.compilation_cache_dir(FLAGS.compilation_cache_dir))
     pair = pair_flags.load_pair()
     if pair.tokenizer is None:
         raise app.UsageError(f"{pair.target_name}: no tokenizer found beside the model")
@@ -76,9 +84,8 @@ def main(argv) -> None:
     batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
                       disable_by_batch_size=config.disable_by_batch_size)
     if FLAGS.warmup:
-        log.info("warming up (compiling prefill and the decode step) ...")
-        batcher.run([Request([0] * 4, 2)])
-        batcher.reset_stats()      # warm-up steps are not served traffic
+        warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, samplings=(warmup.GREEDY, warmup.API_DEFAULT),
+                       progress=warmup.ProgressBar())
     worker = EngineWorker(batcher, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
     names = [FLAGS.served_model_name or pair.target_name]
     cfg = ServerConfig(model_names=names, max_model_len=max_model_len, num_speculative_tokens=t,

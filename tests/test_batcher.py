@@ -240,3 +240,46 @@ def test_speculation_off_above_a_batch_size_keeps_output_and_draft_context(k3):
         assert (bb.stats.plain_steps > 0) == (name == "plain")
     assert got["plain"][0] == got["spec"][0]
     np.testing.assert_allclose(got["plain"][1], got["spec"][1], rtol=0, atol=1e-5)
+
+
+def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
+    """A request alone in a 4-slot batcher runs batch-1 steps. Beside it (slot 0, sampled), three
+    greedy requests run as one batch-4 step of slots 1..3 and a padding row, which writes nothing:
+    slot 0's pages and KDA states stay bitwise as they were, and the greedy requests equal each
+    one decoded alone."""
+    target, engines = k3
+    eng = engines[T]
+    ps = prompts(4, target.cfg.vocab_size, seed=25, lo=4, hi=12)
+    want = [_solo(engines[0], p, 12, frozenset()) for p in ps[1:]]
+    calls = []
+    step = eng.step
+
+    def spy(x0_B, *a, **kw):
+        calls.append((len(x0_B), tuple(int(r) for r in kw["rows_B"])))
+        return step(x0_B, *a, **kw)
+
+    eng.step = spy
+    try:
+        b = Batcher(eng, 4, MAX_LEN, seed=1)
+        b.add(Request(ps[0], 500, temperature=0.9))
+        b.step()
+        b.step()
+        assert calls == [(1, (0,))] * 2
+        greedy = [Request(p, 12) for p in ps[1:]]
+        for r in greedy:
+            b.add(r)
+        b._admit()
+        assert [r.slot for r in greedy] == [1, 2, 3]
+        checked = 0
+        while any(r.finish_reason is None for r in greedy):
+            snap0 = _pages_of(b.caches, 0)
+            calls.clear()
+            b._decode()
+            if calls[0][1] == (1, 2, 3, 4):           # the greedy group's step, with a padding row
+                _assert_same(_pages_of(b.caches, 0), snap0)
+                checked += 1
+            assert calls[0][0] in (1, 2, 4)
+        assert checked > 0
+        assert [r.tokens for r in greedy] == want
+    finally:
+        del eng.step

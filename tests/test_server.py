@@ -78,7 +78,8 @@ def server(pair_dirs, tmp_path_factory):
            "--dtype", "checkpoint",
            "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
            "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1",
-           "--max_request_bytes", str(MAX_REQUEST_BYTES)]
+           "--max_request_bytes", str(MAX_REQUEST_BYTES), "--warmup_max_programs", "16",
+           "--compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache"))]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent)
@@ -241,6 +242,8 @@ BAD = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}), 400, "messages[0].content"),
     ("/v1/chat/completions", json.dumps([1, 2]), 400, "JSON object"),
     ("/v1/chat/completions", json.dumps({"messages": "hi"}), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400,
+     "messages[0].role: unknown role 'wizard'"),
     # over --max_request_bytes (declared by Content-Length): refused before the body is read
     ("/v1/completions", json.dumps({"prompt": "x" * MAX_REQUEST_BYTES}), 413,
      f"max_request_bytes={MAX_REQUEST_BYTES}"),

@@ -19,6 +19,8 @@ from dspark_jax.errors import RequestError
 from dspark_jax.generate import encode_prompt
 
 MAX_STOP_STRINGS = 16
+# the chat roles OpenAI's API defines; anything else is a client error, not text for the template
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -198,6 +200,8 @@ def parse_chat(body: Any, tokenizer, limits: Limits) -> ParsedRequest:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise _bad(f"messages[{i}].role", "required string field missing")
+        if role not in CHAT_ROLES:
+            raise _bad(f"messages[{i}].role", f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
         if m.get("content") is None:
             raise _bad(f"messages[{i}].content", "required field missing")
         conv.append({"role": role, "content": _message_text(m["content"], f"messages[{i}].content")})

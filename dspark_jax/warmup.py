@@ -1,0 +1,175 @@
+"""Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
+
+`program_shapes` lists every (program, rows, length) shape a batcher can call for some sampling
+settings: prefill per batch bucket x prompt bucket, the decode step per batch bucket x span bucket
+(plain and speculative variants where `disable_by_batch_size` makes both possible; propose and
+each verified width with the confidence schedule). `warm_up` compiles them, cheapest first,
+through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
+padding rows only, nothing run), so they land in jit's cache as a request would call them; a cap
+keeps the start-up bounded (the shapes past it are the largest, rarest ones).
+
+`enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
+its programs instead of compiling them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from dspark_jax.batcher import Batcher, batch_bucket, prefill_bucket
+
+log = logging.getLogger("dspark_jax")
+
+ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
+GREEDY = (0.0, 1.0)
+API_DEFAULT = (1.0, 1.0)                  # OpenAI's temperature/top_p when a request gives none
+
+
+@dataclass(frozen=True)
+class ProgramShape:
+    """One compiled program a batcher can call. `length`: the prompt bucket (prefill) or the span
+    bucket (steps; None: every position); `width`: drafts verified (None: the engine's T from its
+    own draft model; 0 with a T > 0 engine: a plain step; with the schedule, 0..T)."""
+
+    kind: str                      # "prefill" or "step"
+    rows: int
+    length: int | None
+    sampling: tuple[float, float]
+    width: int | None = None
+
+    def cost(self, max_len: int) -> int:
+        return self.rows * (self.length or max_len)
+
+    def __str__(self) -> str:
+        what = f"{self.kind} {self.rows}x{self.length or 'all'}"
+        if self.width is not None:
+            what += f" width {self.width}"
+        return what + ("" if self.sampling == GREEDY else f" T={self.sampling[0]:g}/p={self.sampling[1]:g}")
+
+
+def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = (GREEDY,)) -> list[ProgramShape]:
+    """Every shape `batcher` can call for these sampling settings, cheapest first (greedy first
+    among equals)."""
+    slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
+    buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
+    # the rows a bucket holds: more than the bucket below it, up to itself
+    held = {b: range((buckets[i - 1] if i else 0) + 1, b + 1) for i, b in enumerate(buckets)}
+    longest_prompt = max_len - t - 1
+    prompts = sorted({prefill_bucket(n) for n in [1] + [1 << k for k in range(longest_prompt.bit_length())]
+                      + [longest_prompt]})
+    spans = list(dict.fromkeys(batcher._span(n) for n in
+                               [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
+    off = batcher.disable_by_batch_size
+    schedule = batcher.engine.schedule is not None
+    out = []
+    for sampling in samplings:
+        for b in buckets:
+            out += [ProgramShape("prefill", b, s, sampling) for s in prompts]
+            widths: list[int | None] = []
+            if t and (off is None or held[b].start < off):
+                widths += list(range(t + 1)) if schedule else [None]
+            if t == 0 or (off is not None and held[b].stop - 1 >= off):
+                widths.append(0 if t else None)
+            out += [ProgramShape("step", b, span, sampling, w) for span in spans for w in widths]
+    order = {s: i for i, s in enumerate(samplings)}
+    return sorted(out, key=lambda p: (p.cost(max_len), order[p.sampling], p.kind, p.width or 0))
+
+
+def warm_up(batcher: Batcher, *, max_programs: int | None = None,
+            samplings: Sequence[tuple[float, float]] = (GREEDY,),
+            progress: Callable[[int, int, ProgramShape], None] | None = None) -> dict:
+    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all).
+    Returns {"programs", "skipped",
+    "seconds", "cache_hits"} (cache_hits: loaded from the persistent compilation cache)."""
+    shapes = program_shapes(batcher, samplings)
+    todo = shapes if max_programs is None else shapes[:max_programs]
+    hits = []
+    listener = (lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
+    jax.monitoring.register_event_listener(listener)
+    start = time.perf_counter()
+    try:
+        with batcher.engine.compile_only():
+            for i, shape in enumerate(todo):
+                if progress is not None:
+                    progress(i, len(todo), shape)
+                _call(batcher, shape)
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    if progress is not None and todo:
+        progress(len(todo), len(todo), todo[-1])
+    info = {"programs": len(todo), "skipped": len(shapes) - len(todo), "seconds": time.perf_counter() - start,
+            "cache_hits": len(hits)}
+    log.info("warm-up: %d programs in %.1f s (%d loaded from the compilation cache)%s", info["programs"],
+             info["seconds"], info["cache_hits"],
+             f"; {info['skipped']} larger shapes left to compile on first use" if info["skipped"] else "")
+    return info
+
+
+def _call(batcher: Batcher, shape: ProgramShape) -> None:
+    rows = np.full(shape.rows, batcher.num_slots, np.int32)     # padding rows only
+    zeros = np.zeros(shape.rows, np.int32)
+    temperature, top_p = shape.sampling
+    if shape.kind == "prefill":
+        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
+        return
+    t = batcher.engine.t
+    if batcher.engine.schedule is not None and shape.width is not None:
+        batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, verify_width=shape.width)
+        return
+    drafts = np.zeros((shape.rows, 0), np.int32) if shape.width == 0 and t else None
+    batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts)
+
+
+class ProgressBar:
+    """`warm_up`'s progress as a bar redrawn in place on a terminal, else a log line per tenth."""
+
+    def __init__(self, stream=None, width: int = 30):
+        self.stream = stream or sys.stderr
+        self.width, self.start, self.last_tenth = width, time.perf_counter(), -1
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __call__(self, done: int, total: int, shape: ProgramShape) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            fill = self.width * done // max(total, 1)
+            end = "\n" if done == total else ""
+            self.stream.write(f"\rwarm-up [{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} programs, "
+                              f"{elapsed:.0f} s, {shape}{' ' * 10}{end}")
+            self.stream.flush()
+        elif done == total or 10 * done // max(total, 1) > self.last_tenth:
+            self.last_tenth = 10 * done // max(total, 1)
+            log.info("warm-up: %d/%d programs, %.0f s (%s)", done, total, elapsed, shape)
+
+
+def compilation_cache_dir(flag: str | None = None) -> Path | None:
+    """The persistent compilation cache directory: `flag`, else $DSPARK_COMPILATION_CACHE, else
+    `<dspark cache>/xla` (`presets.cache_dir()`, ~/.cache/dspark_jax by default); "off" (or "")
+    disables it (None)."""
+    from dspark_jax.presets import cache_dir
+
+    value = flag if flag is not None else os.environ.get(ENV_CACHE)
+    if value is None:
+        return cache_dir() / "xla"
+    if value.strip().lower() in ("", "off", "none"):
+        return None
+    return Path(value).expanduser()
+
+
+def enable_compilation_cache(path: Path | None) -> None:
+    """Turn on JAX's persistent compilation cache in `path` (None: leave it off). Every program is
+    kept, however fast it compiled: a restart should compile nothing."""
+    if path is None:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,91 @@
+"""Warm-up (`dspark_jax.warmup`): it compiles every program shape a batcher can call, writes
+nothing into the caches, and afterwards requests compile nothing; the persistent compilation
+cache directory follows the flag, then the environment, then the default."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax import warmup
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from tests.gen_utils import prompts, tiny_draft, tiny_llama
+
+T = 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0)
+    return target, tiny_draft(target, 1)
+
+
+class CompileCounter:
+    """Tracings, lowerings and backend compilations while inside the `with` block (JAX's
+    monitoring events): a call that finds its program compiled records none of them."""
+
+    def __enter__(self):
+        self.count = 0
+
+        def listener(event, duration, **kw):
+            if event.startswith("/jax/core/compile/"):
+                self.count += 1
+        self._listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+@pytest.mark.parametrize("disable_by_batch_size", [None, 2])
+def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size):
+    target, draft = pair
+    eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
+    b = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    with CompileCounter() as warm:
+        info = warmup.warm_up(b)
+    assert info["programs"] == len(warmup.program_shapes(b)) and info["skipped"] == 0
+    assert warm.count > 0
+    # padding rows only: the warm-up wrote nothing
+    assert not np.asarray(b.caches.pool.pages).any()
+    ps = prompts(4, target.cfg.vocab_size, seed=31, lo=3, hi=40)
+    with CompileCounter() as served:
+        short = b.run([Request(ps[0], 6)])                           # a short request alone
+        many = b.run([Request(p, 30) for p in ps])                   # then a batch, slots reused
+    assert served.count == 0
+    fresh = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    assert short[0].tokens == fresh.run([Request(ps[0], 6)])[0].tokens
+    assert all(len(r.tokens) == 30 for r in many)
+
+
+def test_program_shapes_cheapest_first_and_capped(pair):
+    target, draft = pair
+    eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
+    b = Batcher(eng, 8, 1024)
+    shapes = warmup.program_shapes(b, (warmup.GREEDY, warmup.API_DEFAULT))
+    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; spans 64..512 and all
+    assert {s.rows for s in shapes} == {1, 2, 4, 8}
+    assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
+    assert {s.length for s in shapes if s.kind == "step"} == {64, 128, 256, 512, None}
+    assert len(shapes) == 2 * 4 * (7 + 5)
+    costs = [s.cost(1024) for s in shapes]
+    assert costs == sorted(costs)
+    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, warmup.GREEDY)
+    info = warmup.warm_up(b, max_programs=3)
+    assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
+
+
+def test_compilation_cache_dir_flag_then_environment_then_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "c"))
+    monkeypatch.delenv(warmup.ENV_CACHE, raising=False)
+    assert warmup.compilation_cache_dir() == tmp_path / "c" / "xla"
+    monkeypatch.setenv(warmup.ENV_CACHE, str(tmp_path / "env"))
+    assert warmup.compilation_cache_dir() == tmp_path / "env"
+    assert warmup.compilation_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert warmup.compilation_cache_dir("off") is None
+    monkeypatch.setenv(warmup.ENV_CACHE, "off")
+    assert warmup.compilation_cache_dir() is None
