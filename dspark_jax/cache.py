@@ -121,7 +121,8 @@ class PagedPool(NamedTuple):
         One gather of the table's pages of `row` (slicing the row out first would copy it, the
         whole pool's worth of that row on every read); page numbers past the pool (padding rows,
         `engine.rows_table`) read the last page."""
-        rows = as_values(self.pages.at[row, self.block_table].get(mode="clip"))  # [B, pages_per_seq, page_size, W]
+        pages = jnp.asarray(self.pages)      # a numpy pool (tests) has no .at
+        rows = as_values(pages.at[row, jnp.asarray(self.block_table)].get(mode="clip"))  # [B, pages/seq, page, W]
         b, n, ps, w = rows.shape
         rows = rows.reshape(b, n * ps, w)[..., :width or w]
         if rows.dtype == FP8:
