@@ -395,7 +395,7 @@ def worker_torch(emit) -> None:
     if ours is not None:
         theirs = {r.prompt: r.tokens for r in records if r.round == 0}
         same = sum(theirs[p] == ours["tokens"][p] for p in theirs)
-        prefix = [_common_prefix(theirs[p], ours["tokens"][p]) for p in sorted(theirs)]
+        prefix = [peers.common_prefix(theirs[p], ours["tokens"][p]) for p in sorted(theirs)]
         data.update(ours_plain_tokens_per_s=ours["tokens_per_s"],
                     ours_over_torch=ours["tokens_per_s"] / row["tokens_per_s_best"],
                     identical_to_ours=f"{same}/{len(theirs)}", matching_prefix_tokens=prefix)
@@ -403,15 +403,6 @@ def worker_torch(emit) -> None:
     print(f"torch {row['tokens_per_s_best']:.1f} tok/s" + (
         f" | ours plain {data['ours_plain_tokens_per_s']:.1f} tok/s ({data['ours_over_torch']:.2f}x) | greedy "
         f"outputs identical on {data['identical_to_ours']} prompts" if ours is not None else ""), flush=True)
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_worker(stage: str) -> int:

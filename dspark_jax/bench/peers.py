@@ -95,7 +95,8 @@ def measure(systems: Sequence[System], prompts: Sequence[list[int]], max_new_tok
     return records
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -160,9 +161,9 @@ def summarize(systems: Sequence[System], records: Sequence[Record], baseline: st
             same = [p for p in common if mine[p] == theirs[p]]
             row["identical_to_reference"] = len(same)
             row["compared_prompts"] = len(common)
-            row["first_difference"] = {str(p): _common_prefix(mine[p], theirs[p]) for p in common
+            row["first_difference"] = {str(p): common_prefix(mine[p], theirs[p]) for p in common
                                        if mine[p] != theirs[p]}
-            row["matching_prefix_tokens"] = sum(_common_prefix(mine[p], theirs[p]) for p in common)
+            row["matching_prefix_tokens"] = sum(common_prefix(mine[p], theirs[p]) for p in common)
             row["reference_tokens"] = sum(len(theirs[p]) for p in common)
         own = index.get(s.own_plain) if s.own_plain else None
         if own is not None and "unavailable" not in own:
