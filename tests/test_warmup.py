@@ -41,11 +41,21 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-@pytest.mark.parametrize("disable_by_batch_size", [None, 2])
-def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size):
+def _dear_at_two_rows(rows: int, n: int) -> float:
+    """Step costs where the choice depends on the batch: any length alone, shorter ones beside others."""
+    return 1.0 if rows == 1 else 1.0 + 0.3 * n
+
+
+@pytest.mark.parametrize("speculative_length", ["fixed", "adaptive"])
+def test_after_warm_up_requests_compile_nothing(pair, speculative_length):
+    from dspark_jax.spec_length import StepCosts
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
-    b = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    costs = StepCosts.of(_dear_at_two_rows)
+    kw = dict(speculative_length=speculative_length, step_costs=costs)
+    b = Batcher(eng, 3, 128, **kw)
+    widths = {s.width for s in warmup.program_shapes(b) if s.kind == "step"}
+    assert widths == ({None} if speculative_length == "fixed" else {0, 1, 3, None})
     with CompileCounter() as warm:
         info = warmup.warm_up(b)
     assert info["programs"] == len(warmup.program_shapes(b)) and info["skipped"] == 0
@@ -57,7 +67,7 @@ def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size):
         short = b.run([Request(ps[0], 6)])                           # a short request alone
         many = b.run([Request(p, 30) for p in ps])                   # then a batch, slots reused
     assert served.count == 0
-    fresh = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    fresh = Batcher(eng, 3, 128, **kw)
     assert short[0].tokens == fresh.run([Request(ps[0], 6)])[0].tokens
     assert all(len(r.tokens) == 30 for r in many)
 
