@@ -6,7 +6,7 @@
 
 Each variant first runs once untimed over the same batches (compiling every program the timed
 rounds meet; the adaptive variant also measures the step costs of a batch size not measured
-before on this host). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
+before on the host it runs on). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
 speculative tokens/s with every step verifying T drafts ("fixed"), their ratio (of the
 best rounds, and the median of the ratios within each round), tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even

@@ -102,7 +102,7 @@ class Engine:
         self.step_jit = jax.jit(self.step_fn, static_argnames=(*static, "width"), donate_argnames=("caches",))
 
     def step_costs(self) -> StepCosts:
-        """The measured step costs of this engine's programs on this host (loaded from the cost
+        """The measured step costs of this engine's programs on the host it runs on (loaded from the cost
         cache on first use; buckets not measured yet are measured by the batcher that meets them)."""
         if self._step_costs is None:
             self._step_costs = costs_for(self)

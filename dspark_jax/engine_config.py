@@ -41,7 +41,7 @@ class EngineConfig:
     # of T+1 tokens a row is compute-bound, a CPU at batch 8, L shrinks, down to one-token steps);
     # "fixed": always T. The Batcher applies it (the compiled programs take L as a static width)
     speculative_length: str = "adaptive"
-    # the step-cost model for "adaptive" (None: measured on this host and cached on disk,
+    # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
     # spec_length.costs_for); compared by identity
     step_costs: StepCosts | None = None
 

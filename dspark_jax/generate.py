@@ -57,7 +57,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     chat template. `draft=None` or `num_speculative_tokens=0` decodes without speculation.
     `speculative_length="adaptive"` (the default) lets each step verify the L in 0..T drafts of
     most expected tokens per second, from the acceptance measured so far and the step costs
-    measured on this host (the first call at a new batch size measures them, once per host, model
+    measured on the host it runs on (the first call at a new batch size measures them, once per host, model
     and dtype; docs/profile.md); `"fixed"` always verifies T. `step_costs`: a `StepCosts` to use
     instead of measured ones. Output is the same either way.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate

@@ -146,7 +146,7 @@ class StepCosts:
 
 
 def costs_for(engine) -> StepCosts:
-    """The step-cost tables of `engine`'s programs on this host, as `$DSPARK_STEP_COSTS` says
+    """The step-cost tables of `engine`'s programs on the host it runs on, as `$DSPARK_STEP_COSTS` says
     (default: `<dspark cache>/step_costs`, beside the compilation cache)."""
     from dspark_jax.presets import cache_dir
 

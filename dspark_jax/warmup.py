@@ -9,7 +9,7 @@ keeps the start-up bounded (the shapes past it are the largest, rarest ones).
 
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
 its programs instead of compiling them again. `measure_step_costs` measures the step costs the
-adaptive speculation length needs for every batch bucket not measured yet on this host (kept on
+adaptive speculation length needs for every batch bucket not measured yet on the host it runs on (kept on
 disk beside the compilation cache, `dspark_jax.spec_length`).
 """
 
