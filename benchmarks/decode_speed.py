@@ -1,21 +1,21 @@
-"""Plain vs speculative decoding throughput, measured in one run.
+"""Plain, fixed-length speculative and adaptive speculative decoding throughput, measured in one run.
 
     python -m benchmarks.decode_speed                      # SmolLM2 + demo draft (or a random one)
-    python -m benchmarks.decode_speed --batch_sizes 1,8 --num_prompts 16 --max_new_tokens 64
+    python -m benchmarks.decode_speed --batch_sizes 1,2,4,8,16,32 --num_prompts 32 --rounds 3
     python -m benchmarks.decode_speed --steps_only --random_weights --model dspark_jax/configs/smollm2-135m.json
 
 Each variant first runs once untimed over the same batches (compiling every program the timed
-rounds meet). Prints, per batch size: plain tokens/s, speculative tokens/s, their ratio (of the
+rounds meet; the adaptive variant also measures the step costs of a batch size not measured
+before on the host it runs on). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
+speculative tokens/s with every step verifying T drafts ("fixed"), their ratio (of the
 best rounds, and the median of the ratios within each round), tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
 tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it), and the
 wall time per decode step inside the compiled step (dispatch + wait) and outside it (prefill, the
-host loop, set-up), for the best round of each variant. With
-`--confidence_schedule` also the confidence-scheduled verify (docs/architecture.md §5.6), its step-cost model
-t(B) = fixed + per_token * B fitted from verify steps of width 1 and T+1 in the same run. With
-`--speculative_disable_by_batch_size N` also speculation switched off while N or more sequences
-share a step ("switching"). CPU
-numbers are only meaningful as ratios; absolute times only from a GPU.
+host loop, set-up), for the best round of each variant; then the adaptive speculation length
+(the library's default: each step verifies the L of most expected tokens/s, docs/profile.md):
+its tokens/s, its ratio to plain and the lengths its steps chose. A summary table of the three
+rates ends the run. CPU numbers are only meaningful as ratios; absolute times only from a GPU.
 
 `--steps_only` times just the three steps (no generation, no prompts, no tokenizer) and prints
 them in ms; with `--random_weights` the target is built from --model's config alone (a
@@ -45,9 +45,6 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "drafts per step")
 _DTYPE = pair_flags.define_dtype()
 pair_flags.define_tp()
-_SCHED = flags.DEFINE_bool("confidence_schedule", False, "also measure the confidence-scheduled verify")
-_OFF = flags.DEFINE_integer("speculative_disable_by_batch_size", None, "also measure speculation switched off "
-                            "while this many sequences or more share a step ('switching')", lower_bound=1)
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "timed passes per variant, alternating; the best is reported",
                                lower_bound=1)
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
@@ -102,7 +99,7 @@ def main(argv):
         row = {"batch_size": b, "draft": draft_name}
         eng = make_engine(target, draft, _T.value)
         costs = step_costs(eng, b, reps=_REPS.value)
-        share, break_even, cost = costs["draft_share"], costs["break_even"], costs["verify_cost"]
+        share, break_even = costs["draft_share"], costs["break_even"]
         row["draft_share_of_step"] = share
         row["break_even_tok_per_fwd"] = break_even
         row.update({k: costs[k] for k in ("draft_block_ms", "verify_ms", "one_token_step_ms")})
@@ -112,18 +109,13 @@ def main(argv):
                   f"{row['verify_ms']:.2f} ms | one-token step {row['one_token_step_ms']:.2f} ms | draft share "
                   f"of a step {share:.1%} | break-even tok/fwd {break_even:.2f}", flush=True)
             continue
-        variants = [("plain", None, False, None), ("speculative", draft, False, None)]
-        if _SCHED.value:
-            variants.append(("scheduled", draft, cost, None))
-            row["verify_cost"] = {"fixed": cost.fixed, "per_token": cost.per_token}
-        if _OFF.value:
-            variants.append(("switching", draft, False, _OFF.value))
-            row["speculative_disable_by_batch_size"] = _OFF.value
+        # "speculative": every step verifies T drafts; "adaptive": the library's default length choice
+        variants = [("plain", None, "fixed"), ("speculative", draft, "fixed"), ("adaptive", draft, "adaptive")]
         # rounds alternate the variants (a slow spell of the machine hits all of them); each
         # variant's best round is reported
-        for rnd, (name, d, sched, off) in ((r, v) for r in range(_ROUNDS.value) for v in variants):
+        for rnd, (name, d, length) in ((r, v) for r in range(_ROUNDS.value) for v in variants):
             run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
-                                      confidence_schedule=sched, speculative_disable_by_batch_size=off)
+                                      speculative_length=length)
             if rnd == 0:                   # an untimed pass over the same batches compiles every
                 for i in range(0, len(prompts), b):    # program (span bucket) the timed rounds meet
                     run(prompts[i:i + b])
@@ -151,6 +143,7 @@ def main(argv):
                 row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
                 row[f"{name}_drafts_verified_per_step"] = (stats["total_draft_tokens"]
                                                            / max(stats["num_verify_steps"], 1))
+                row[f"{name}_length_counts"] = stats["verify_length_counts"]
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         # a virtual machine's speed can drift by tens of percent within minutes, and the best rounds
         # of two variants may come from different spells: the ratio within each round (the variants
@@ -176,19 +169,23 @@ def main(argv):
                 f"break-even tok/fwd {break_even:.2f} | per decode step, in the step + outside it: plain "
                 f"{row['plain_ms_per_step']:.1f} + {row['plain_ms_per_step_outside']:.1f} ms, speculative "
                 f"{row['speculative_ms_per_step']:.1f} + {row['speculative_ms_per_step_outside']:.1f} ms")
-        if _SCHED.value:
-            row["scheduled_speedup"] = row["scheduled_tokens_per_s"] / row["plain_tokens_per_s"]
-            line += (f" | scheduled {row['scheduled_tokens_per_s']:.1f} tok/s ({row['scheduled_speedup']:.2f}x, "
-                     f"tok/fwd {row['scheduled_tok_per_fwd']:.2f}, "
-                     f"{row['scheduled_drafts_verified_per_step']:.2f} drafts verified/step)")
-        if _OFF.value:
-            row["switching_speedup"] = row["switching_tokens_per_s"] / row["plain_tokens_per_s"]
-            row["switching_speedup_compiled"] = (row["switching_tokens_per_s_compiled"]
-                                                 / row["plain_tokens_per_s_compiled"])
-            line += (f" | off at >= {_OFF.value} sequences: {row['switching_tokens_per_s']:.1f} tok/s "
-                     f"({row['switching_speedup']:.2f}x; less compilation {row['switching_speedup_compiled']:.2f}x)")
+        row["adaptive_speedup"] = row["adaptive_tokens_per_s"] / row["plain_tokens_per_s"]
+        adaptive_by_round = sorted(a / pl for a, pl in zip(row["adaptive_tokens_per_s_by_round"],
+                                                          row["plain_tokens_per_s_by_round"]))
+        row["adaptive_speedup_median_of_rounds"] = statistics.median(adaptive_by_round)
+        chosen = ", ".join(f"L={k}: {v}" for k, v in row["adaptive_length_counts"].items() if v)
+        line += (f" | adaptive {row['adaptive_tokens_per_s']:.1f} tok/s ({row['adaptive_speedup']:.2f}x plain, "
+                 f"within a round median {row['adaptive_speedup_median_of_rounds']:.2f}x; tok/fwd "
+                 f"{row['adaptive_tok_per_fwd']:.2f}; steps by length: {chosen})")
         results.append(row)
         print(line, flush=True)
+    if results and not _STEPS_ONLY.value:
+        print(f"\ntokens/s, demo settings T = {_T.value}, {_NEW.value} new tokens, {_N.value} GSM8K prompts; "
+              f"CPU: {describe_cpu()}")
+        print(f"{'batch':>5} | {'plain':>8} | {'fixed T':>8} | {'adaptive':>8} | fixed/plain | adaptive/plain")
+        for r in results:
+            print(f"{r['batch_size']:>5} | {r['plain_tokens_per_s']:8.1f} | {r['speculative_tokens_per_s']:8.1f} | "
+                  f"{r['adaptive_tokens_per_s']:8.1f} | {r['speedup']:10.2f}x | {r['adaptive_speedup']:13.2f}x")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(results, indent=2))
 
@@ -196,6 +193,8 @@ def main(argv):
 def _merge(a, b):
     keys = ("num_verify_steps", "total_accepted_tokens", "total_draft_tokens")
     out = {k: a[k] + b[k] for k in keys}
+    out["verify_length_counts"] = {k: a["verify_length_counts"][k] + b["verify_length_counts"][k]
+                                   for k in a["verify_length_counts"]}
     n = out["num_verify_steps"]
     out["average_tokens_per_forward"] = 1 + out["total_accepted_tokens"] / n if n else 1.0
     return out

@@ -10,11 +10,18 @@ the slot count; `batch_bucket`), over the positions its longest row can reach, b
 (`Batcher._span`): one user on an 8-slot server pays for one row, and a short sequence in a
 long-context server for its own length. The pool and the slots stay as allocated; the rows carry
 their slot numbers (`Engine.step_fn`'s `rows_B`).
+
+Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
+measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
+"fixed"`: always T). A bucket whose costs are not known yet is measured when first met
+(`measure_step_costs`, a few timed steps on padding rows per length), once per host and model.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -23,10 +30,16 @@ import numpy as np
 
 from dspark_jax.engine import Engine, sampling_key
 from dspark_jax.errors import RequestError
-from dspark_jax.schedule import verify_lengths
+from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
 from dspark_jax.stats import SpecStats
 
+log = logging.getLogger("dspark_jax")
+
 _KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
+# Step costs are measured at the span bucket of this many positions: attention grows with the span
+# for every length alike, so the ratios between lengths that the choice uses hold at other spans
+COST_SPAN = 256
+COST_REPS = 3             # timed steps per (bucket, length); the fastest is kept
 
 
 @dataclass(eq=False)
@@ -59,13 +72,16 @@ class Batcher:
     once. `generate()`, the HTTP server and the benchmark all drive this loop."""
 
     def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
-                 disable_by_batch_size: int | None = None):
+                 speculative_length: str = "adaptive", step_costs: StepCosts | None = None):
         if max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if disable_by_batch_size is not None and disable_by_batch_size < 1:
-            raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {disable_by_batch_size}")
-        # steps over this many sequences or more run without drafts (EngineConfig.disable_by_batch_size)
-        self.disable_by_batch_size = disable_by_batch_size
+        if speculative_length not in SPECULATIVE_LENGTHS:
+            raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
+                               f"got {speculative_length!r}")
+        # the lengths a step may verify: T alone when fixed (or plain), else spec_length's set
+        self.lengths = (candidate_lengths(engine.t) if engine.t and speculative_length == "adaptive"
+                        else (engine.t,))
+        self._step_costs = step_costs        # None: the engine's measured ones (resolved on first use)
         self.engine, self.num_slots, self.max_len = engine, max_num_seqs, max_len
         self.caches = engine.new_caches(max_num_seqs, max_len)
         self.slots: list[Request | None] = [None] * max_num_seqs
@@ -78,6 +94,55 @@ class Batcher:
         self._key = jax.random.PRNGKey(seed)
         self._keys: collections.deque[np.ndarray] = collections.deque()
         self._turn = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.lengths) > 1
+
+    @property
+    def step_costs(self) -> StepCosts:
+        if self._step_costs is None:
+            self._step_costs = self.engine.step_costs()
+        return self._step_costs
+
+    def reachable_lengths(self) -> tuple[int, ...]:
+        """The lengths steps can verify (what the warm-up compiles)."""
+        return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
+
+    def choose_length(self, rows: int) -> int:
+        """The speculation length of a step over `rows` rows (a batch bucket); measures the
+        bucket's step costs first if they are not known yet."""
+        if not self.adaptive:
+            return self.lengths[0]
+        costs = self.step_costs.get(rows, self.lengths)
+        if costs is None:
+            costs = self.measure_step_costs(rows)
+        return choose_length(self.engine.acceptance, costs)
+
+    def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
+        """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
+        to compile (or load) the program, then the fastest of `reps`; recorded in the step-cost
+        table (and its file). Logs a line per length: a first measurement compiles programs."""
+        costs = {}
+        rows_B = np.full(rows, self.num_slots, np.int32)
+        zeros = np.zeros(rows, np.int32)
+        span = self._span(min(self.max_len, COST_SPAN))
+        key = np.asarray(jax.random.PRNGKey(0))      # the requests' key stream stays as it is
+        for i, n in enumerate(self.lengths):
+            start = time.perf_counter()
+            times = []
+            # an engine without a draft model verifies given drafts (an external proposer's)
+            given = np.zeros((rows, n), np.int32) if self.engine.draft is None else None
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), span, 0.0, 1.0, given, n, key)
+                np.asarray(out[0])
+                times.append(time.perf_counter() - t0)
+            costs[n] = min(times[1:])
+            log.info("step costs, %d rows: length %d: %.2f ms (%d/%d, %.1f s with compilation)", rows, n,
+                     1e3 * costs[n], i + 1, len(self.lengths), time.perf_counter() - start)
+        self.step_costs.put(rows, costs)
+        return costs
 
     def reset_stats(self) -> None:
         """Forget the statistics so far (the server's warm-up steps are not served traffic)."""
@@ -199,29 +264,29 @@ class Batcher:
         x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
         x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
         t = self.engine.t
-        off = self.disable_by_batch_size
-        plain = bool(t) and off is not None and m >= off
+        length = self.choose_length(len(rows)) if t else 0
         # a one-token step needs no room for drafts: the span bucket a plain engine would use
-        span = self._span(int(lens[:m].max()) + (0 if plain else t) + 1)
+        span = self._span(int(lens[:m].max()) + (t if length else 0) + 1)
         drafts = None
-        if plain:     # no drafts this step: a one-token step (the draft's context rows are still written)
+        if t and not length:    # no drafts this step: a one-token step (the draft's context rows are still written)
             drafts = np.zeros((len(rows), 0), np.int32)
         elif self.proposer is not None:
-            drafts = np.zeros((len(rows), t), np.int32)
+            drafts = np.zeros((len(rows), length), np.int32)
             for j, i in enumerate(slots):
-                drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)
-        n, emitted, lengths = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts)
+                drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)[:length]
+        n, emitted = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts, length=length)
         self.num_steps += 1
         touched = []
         for j, i in enumerate(slots):
             r = self.slots[i]
-            if plain:
-                r.stats.plain_steps += 1
-                self.stats.plain_steps += 1
+            if t and not length:
+                r.stats.plain()
+                self.stats.plain()
             elif t:
-                verified = t if lengths is None else int(lengths[j])
-                r.stats.update(int(n[j]), verified)
-                self.stats.update(int(n[j]), verified)
+                r.stats.update(int(n[j]), length)
+                self.stats.update(int(n[j]), length)
+                # drafts scored: the length, less what the room left before max_len cut off
+                self.engine.acceptance.observe(min(length, self.max_len - int(lens[j]) - 1), int(n[j]))
             new = [int(x) for x in emitted[j, :n[j] + 1]]
             self.lens[i] += n[j] + 1
             self.x0[i] = new[-1]
@@ -252,32 +317,28 @@ class Batcher:
 
     def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int, span: int | None,
                  temperature: float, top_p: float, drafts_BT: np.ndarray | None = None, *,
-                 verify_width: int | None = None):
+                 length: int | None = None):
         """One decode step over the rows `rows_B` (`batch_rows`), the first `num_active` of them
-        running: with the confidence schedule, propose first and verify what it admits.
-        Returns (accepted [B], emitted [B, T+1], drafts verified per row [B] or None) on the host.
-        The warm-up calls it with `num_active = 0` (and the schedule's `verify_width` to compile)."""
-        eng = self.engine
+        running, verifying `length` drafts of the draft's block (None: T) or `drafts_BT`.
+        Returns (accepted [B], emitted [B, T+1]) on the host. The warm-up calls it with
+        `num_active = 0`."""
         active = np.arange(len(rows_B)) < num_active
-        logits = lengths = None
-        if drafts_BT is None and eng.schedule is not None:
-            drafts_BT, logits, conf, self.caches = eng.propose(
-                x0_B, lens_B, self.caches, self._next_key(), rows_B=rows_B,
-                temperature=temperature, top_p=top_p, span=span)
-            lengths = np.zeros(len(rows_B), np.int32)
-            if num_active:
-                lengths[:num_active] = verify_lengths(np.asarray(conf)[:num_active], eng.schedule)
-            # the step verifies x0 + `width` drafts (T+1 compilations)
-            width = int(lengths.max()) if verify_width is None else verify_width
-            drafts_BT = drafts_BT[:, :width]
-            logits = logits[:, :width] if temperature > 0 else None
+        n, emitted = self._step_call(rows_B, x0_B, lens_B, active, span, temperature, top_p, drafts_BT, length,
+                                     self._next_key())
+        return np.asarray(n), np.asarray(emitted)
+
+    def _step_call(self, rows_B, x0_B, lens_B, active_B, span, temperature, top_p, drafts_BT, length, key):
+        eng = self.engine
+        if eng.t and length == 0 and drafts_BT is None:
+            drafts_BT = np.zeros((len(rows_B), 0), np.int32)
+        # L = T is the program a fixed-length step runs too (one compilation for both)
+        width = None if drafts_BT is not None or length is None or length == eng.t else length
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
-        n, emitted, self.caches = eng.step(x0_B, lens_B, active, np.int32(self.max_len), self.caches,
-                                           self._next_key(), rows_B=rows_B, drafts_BT=drafts_BT,
-                                           given_logits_BTV=logits, limit_B=lengths, temperature=temperature,
-                                           top_p=top_p, span=span)
-        return np.asarray(n), np.asarray(emitted), lengths
+        n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,
+                                           rows_B=rows_B, drafts_BT=drafts_BT, temperature=temperature,
+                                           top_p=top_p, span=span, width=width)
+        return n, emitted
 
     def _maybe_finish(self, r: Request) -> bool:
         out = r.tokens

@@ -2,16 +2,19 @@
 
 - `prefill`: new sequences' prompts into their cache slots (only the new rows run), the first
   token sampled, the draft's context rows written.
-- `propose`: the draft's block pass alone (the confidence schedule looks at it before verifying).
-- `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_T]` in one target forward,
+- `propose`: the draft's block pass alone (profiling and the deployment plan time it apart).
+- `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_L]` in one target forward
+  (L = `width`, T by default; the block is always drafted whole, its attention being bidirectional),
   accept, commit the KDA snapshot of the last accepted token, write the verified tokens' draft
-  context rows. T = 0 is plain decoding through the same program.
+  context rows. Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, span) and batch shape; its rows name their cache slots, so a call
+static setting (sampling, span, width) and batch shape; its rows name their cache slots, so a call
 computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
-warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`.
+warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
+keeps what it chooses the speculation length from (`acceptance`, `step_costs()`,
+`dspark_jax.spec_length`), shared by every batcher that drives it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.sampling import sample_tokens
 from dspark_jax.sharding import logical_to_spec
+from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, costs_for
 
 
 def embed_and_head(target):
@@ -67,10 +71,9 @@ class Engine:
             self.store_dtype = bits_storage(self.store_dtype)
         if draft is not None:
             self._check_pair(target, draft)
-        if config.schedule is not None and (draft is None or not draft.cfg.enable_confidence_head):
-            raise RequestError("the confidence schedule needs a draft with a confidence head "
-                               "(enable_confidence_head in its config.json)")
-        self.schedule = config.schedule
+        # pooled acceptance per draft position, what the speculation length is chosen from
+        self.acceptance = AcceptanceEstimate(self.t)
+        self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)
         self.d_graph, d_state = nnx.split(draft) if draft is not None else (None, None)
@@ -96,7 +99,14 @@ class Engine:
         # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
         self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
         self.propose_jit = jax.jit(self.propose_fn, static_argnames=static, donate_argnames=("caches",))
-        self.step_jit = jax.jit(self.step_fn, static_argnames=static, donate_argnames=("caches",))
+        self.step_jit = jax.jit(self.step_fn, static_argnames=(*static, "width"), donate_argnames=("caches",))
+
+    def step_costs(self) -> StepCosts:
+        """The measured step costs of this engine's programs on the host it runs on (loaded from the cost
+        cache on first use; buckets not measured yet are measured by the batcher that meets them)."""
+        if self._step_costs is None:
+            self._step_costs = costs_for(self)
+        return self._step_costs
 
     # The programs take the weights as either nnx States or their flat leaf lists. The calls below
     # pass the lists: jit flattens an nnx.State in Python on every call, a list of arrays in C++
@@ -244,7 +254,7 @@ class Engine:
     def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
                    draft_head=None, temperature: float | None = None, top_p: float | None = None,
                    span: int | None = None):
-        """The draft's block pass alone (the confidence schedule looks at it before verifying).
+        """The draft's block pass alone (profiling and the deployment plan time it on its own).
         `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
         its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)
@@ -259,16 +269,17 @@ class Engine:
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                rows_B=None, given_logits_BTV=None, limit_B=None, serving=None, draft_head=None,
-                temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+                rows_B=None, serving=None, draft_head=None, temperature: float | None = None,
+                top_p: float | None = None, span: int | None = None, width: int | None = None):
         """One propose/verify step over B rows; inactive rows write nothing and keep their KDA
         state. `rows_B`: the cache slot of each row (padding rows: the number of slots, inactive),
         so a step computes the running sequences only, padded to a batch bucket; None: row b is
-        slot b, over every slot. `given_drafts_BT` (their width is the step's T) replaces the
-        draft model's block pass: an external proposer's drafts (greedy only), or `propose`'s
-        output cut to the schedule's widest row, with its logits (for sampling) and `limit_B`
-        drafts per row. `span` (a page multiple >= every active length + T + 1) bounds the
-        positions attention reads, so a step costs what the sequences hold, not max_len."""
+        slot b, over every slot. `given_drafts_BT` (their width is the step's L) replaces the
+        draft model's block pass: an external proposer's drafts (greedy only), or none (width 0:
+        a one-token step). `width`: drafts verified from the draft's block (None: all T); the
+        block is drafted whole either way (its rows attend to each other, so a narrower block
+        would draft other tokens). `span` (a page multiple >= every active length + T + 1) bounds
+        the positions attention reads, so a step costs what the sequences hold, not max_len."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
         full_table, full_kda = caches.pool.block_table, caches.kda
@@ -276,7 +287,7 @@ class Engine:
                               full_kda if full_kda is None or rows_B is None else full_kda.take(rows_B))
         k_draft, k_acc = jax.random.split(key)
         b = x0_B.shape[0]
-        draft_logits = given_logits_BTV
+        draft_logits = None
         if given_drafts_BT is not None:
             drafts = given_drafts_BT
         elif draft is not None:
@@ -285,7 +296,7 @@ class Engine:
                                      caches.pool, target.attention_rows, self.t,
                                      temperature=temperature, top_p=top_p,
                                      key=k_draft if temperature > 0 else None, active_B=active_B)
-            drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
+            drafts, draft_logits = prop.tokens_BT[:, :width], prop.logits_BTV[:, :width]
             # on with the pool holding the block's draft rows (draft_context overwrites them below):
             # going on from the pool before them would keep two versions of the whole pool alive,
             # a copy of it in every step
@@ -298,8 +309,7 @@ class Engine:
         valid = active_B[:, None] & (positions < max_len)
         out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
                                                   verify=True, weights=serving)
-        room = jnp.maximum(max_len - lens_B - 1, 0)
-        limit = room if limit_B is None else jnp.minimum(room, limit_B)
+        limit = jnp.maximum(max_len - lens_B - 1, 0)
         if temperature > 0 and draft_logits is not None and t > 0:
             acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature, top_p, k_acc, limit_B=limit)
         elif temperature > 0:

@@ -1,7 +1,8 @@
 """The engine's settings, validated once, before any model loads (every entry point and `generate()`).
 
 `EngineConfig` holds what shapes the compiled steps and the caches: drafts per verify step T,
-cache storage dtype, page size, slots, sequence capacity and the optional confidence schedule.
+cache storage dtype, page size, slots, sequence capacity and how each step's speculation length is
+chosen (`speculative_length`: adaptive from measured costs, or always T; `dspark_jax.spec_length`).
 `define_flags()` declares the same command-line flags (one definition, one set of defaults) for
 every program; `from_flags()` builds and validates the config from them.
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from dspark_jax.cache import storage_dtype
 from dspark_jax.errors import RequestError
-from dspark_jax.schedule import VerifyCost
+from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
@@ -35,12 +36,14 @@ class EngineConfig:
     page_size: int = 16                      # tokens per cache page (ATOM's --block_size)
     max_num_seqs: int = 8                    # cache slots: sequences decoded together
     max_model_len: int | None = None         # tokens per sequence; None: from the target
-    schedule: VerifyCost | None = None       # confidence-scheduled verify length (docs/architecture.md §5.6)
-    # with this many sequences or more in a step, decode them without drafts (vLLM's
-    # speculative_disable_by_batch_size): where verifying T+1 tokens per row is compute-bound (a
-    # CPU at batch 8) speculation costs more than it returns. None: always speculate. The Batcher
-    # applies it (the compiled programs do not depend on it)
-    disable_by_batch_size: int | None = None
+    # "adaptive": each step verifies the L in 0..T of most expected tokens per second, from the
+    # acceptance measured so far and the measured cost of a step at its batch size (where a verify
+    # of T+1 tokens a row is compute-bound, a CPU at batch 8, L shrinks, down to one-token steps);
+    # "fixed": always T. The Batcher applies it (the compiled programs take L as a static width)
+    speculative_length: str = "adaptive"
+    # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
+    # spec_length.costs_for); compared by identity
+    step_costs: StepCosts | None = None
 
     def __post_init__(self):
         self.validate()
@@ -57,8 +60,9 @@ class EngineConfig:
             raise RequestError(f"page_size (--block_size) must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.speculative_length not in SPECULATIVE_LENGTHS:
+            raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
+                               f"got {self.speculative_length!r}")
         if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
             raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
                                f"step of {self.num_speculative_tokens + 1}")
@@ -72,11 +76,11 @@ class EngineConfig:
 
     def for_pair(self, draft, *, proposer=None) -> tuple[object, "EngineConfig"]:
         """(draft, config) as the engine runs them: without a draft (and without an external
-        proposer) T is 0; with T = 0 the draft is not used. The schedule needs a draft."""
+        proposer) T is 0; with T = 0 the draft is not used."""
         if draft is None and proposer is None:
-            return None, self.replace(num_speculative_tokens=0, schedule=None, disable_by_batch_size=None)
+            return None, self.replace(num_speculative_tokens=0)
         if not self.speculative:
-            return None, self.replace(schedule=None, disable_by_batch_size=None)
+            return None, self
         return draft, self
 
     def max_len_for(self, target) -> int:
@@ -87,7 +91,7 @@ class EngineConfig:
 
 def define_flags(flag_values=None, **defaults) -> None:
     """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs,
-    --max_model_len (ATOM's names) and --speculative_disable_by_batch_size (vLLM's). `defaults`
+    --max_model_len (ATOM's names) and --speculative_length. `defaults`
     overrides a default where a program's purpose differs (serve.plan plans Kimi-K3 deployments at
     ATOM's page size and context)."""
     from absl import flags
@@ -96,13 +100,14 @@ def define_flags(flag_values=None, **defaults) -> None:
     base = EngineConfig()
     d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
              block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len,
-             speculative_disable_by_batch_size=base.disable_by_batch_size)
+             speculative_length=base.speculative_length)
     unknown = set(defaults) - set(d)
     if unknown:
         raise ValueError(f"unknown engine flags {sorted(unknown)}")
     d.update(defaults)
     flags.DEFINE_integer("num_speculative_tokens", d["num_speculative_tokens"],
-                         "Drafts per verify step T (the block width); 0 = plain decoding.", lower_bound=0,
+                         "Drafts per step T (the block width; with --speculative_length adaptive the most "
+                         "a step verifies); 0 = plain decoding.", lower_bound=0,
                          flag_values=fv)
     flags.DEFINE_enum("kv_cache_dtype", d["kv_cache_dtype"], list(KV_CACHE_DTYPES),
                       "Paged cache storage: auto (the model's dtype), bf16, fp32 or fp8 (e4m3fn, scale 1.0).",
@@ -113,16 +118,17 @@ def define_flags(flag_values=None, **defaults) -> None:
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_model_len", d["max_model_len"], "Tokens per sequence, prompt + output (default: "
                          "min(max_position_embeddings, 4096)).", lower_bound=2, flag_values=fv)
-    flags.DEFINE_integer("speculative_disable_by_batch_size", d["speculative_disable_by_batch_size"],
-                         "Decode without drafts while at least this many sequences share a step (unset: "
-                         "always speculate).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_enum("speculative_length", d["speculative_length"], list(SPECULATIVE_LENGTHS),
+                      "adaptive: each step verifies the L in 0..T of most expected tokens/s, from the measured "
+                      "acceptance and step costs (measured once per host, model and dtype, cached beside the "
+                      "compilation cache); fixed: always T.", flag_values=fv)
 
 
-def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineConfig:
+def from_flags(flag_values=None) -> EngineConfig:
     """The EngineConfig of the parsed flags (raises RequestError on a bad combination)."""
     from absl import flags
 
     fv = flag_values or flags.FLAGS
     return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
                         page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
-                        schedule=schedule, disable_by_batch_size=fv.speculative_disable_by_batch_size)
+                        speculative_length=fv.speculative_length)

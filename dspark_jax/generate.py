@@ -20,7 +20,7 @@ from dspark_jax.engine import Engine, sampling_key
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
-from dspark_jax.schedule import VerifyCost
+from dspark_jax.spec_length import StepCosts
 from dspark_jax.sources import source_of
 from dspark_jax.stats import SpecStats
 
@@ -45,8 +45,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              stop: Sequence[str] | None = None, seed: int = 0, chat: bool = True, *,
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
-             confidence_schedule: bool | VerifyCost = False,
-             speculative_disable_by_batch_size: int | None = None, dtype="auto") -> GenerateResult:
+             speculative_length: str = "adaptive", step_costs: StepCosts | None = None,
+             dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -55,10 +55,11 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     `prompts`: strings, chat message lists (`[{"role","content"}]`) or token-id
     lists. With `chat=True` strings are wrapped as one user turn and rendered with the target's
     chat template. `draft=None` or `num_speculative_tokens=0` decodes without speculation.
-    `confidence_schedule` (True or a `VerifyCost`) lets the draft's confidence head choose how many
-    drafts each step verifies (docs/architecture.md §5.6); off by default, as in ATOM for Kimi-K3-DSpark.
-    `speculative_disable_by_batch_size=N`: steps over N or more sequences run without drafts (where
-    a wide verify is compute-bound, e.g. a CPU at batch 8; docs/profile.md); output is unchanged.
+    `speculative_length="adaptive"` (the default) lets each step verify the L in 0..T drafts of
+    most expected tokens per second, from the acceptance measured so far and the step costs
+    measured on the host it runs on (the first call at a new batch size measures them, once per host, model
+    and dtype; docs/profile.md); `"fixed"` always verifies T. `step_costs`: a `StepCosts` to use
+    instead of measured ones. Output is the same either way.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -67,12 +68,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
         target = load_target(target, dtype=dtype)
     if draft is not None and (isinstance(draft, str) or hasattr(draft, "__fspath__")):
         draft = load_draft(draft, dtype=target.dtype)
-    schedule = None
-    if confidence_schedule:
-        schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype,
-                          page_size=page_size, max_model_len=max_model_len, schedule=schedule,
-                          disable_by_batch_size=speculative_disable_by_batch_size)
+                          page_size=page_size, max_model_len=max_model_len, speculative_length=speculative_length,
+                          step_costs=step_costs)
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
@@ -106,7 +104,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if engine is None:
         engine = engine_for(target, draft, config, temperature, top_p)
     batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
-                      disable_by_batch_size=config.disable_by_batch_size)
+                      speculative_length=config.speculative_length, step_costs=config.step_costs)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
@@ -126,8 +124,9 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
-    # part of what a compiled engine is; slots, capacity and when to speculate are the batcher's
-    programs = config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None)
+    # part of what a compiled engine is; slots, capacity and the speculation length are the batcher's
+    # (fixed and adaptive calls share the engine: its programs and its measured acceptance)
+    programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None)
     key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:

@@ -15,23 +15,33 @@ class SpecStats:
     total_accepted_tokens: int = 0
     distribution: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)   # drafts accepted at position k
-    plain_steps: int = 0       # one-token steps taken with speculation off (disable_by_batch_size)
+    plain_steps: int = 0       # one-token steps (speculation length 0)
+    length_counts: list[int] = field(default_factory=list)          # steps that verified L drafts, L = 0..T
 
     def __post_init__(self):
         t = self.num_speculative_tokens
         self.distribution = self.distribution or [0] * (t + 1)
         self.accepted_at_position = self.accepted_at_position or [0] * t
+        self.length_counts = self.length_counts or [0] * (t + 1)
 
     def update(self, n: int, verified: int | None = None) -> None:
         """One verify step in which `verified` drafts (default T) were scored and n accepted."""
-        self.total_draft_tokens += self.num_speculative_tokens if verified is None else verified
+        verified = self.num_speculative_tokens if verified is None else verified
+        self.total_draft_tokens += verified
         self.total_accepted_tokens += n
         self.distribution[n] += 1
+        self.length_counts[verified] += 1
         for k in range(n):
             self.accepted_at_position[k] += 1
 
+    def plain(self) -> None:
+        """One step that verified no drafts (a one-token step of a speculative engine)."""
+        self.plain_steps += 1
+        self.length_counts[0] += 1
+
     def merge(self, other: "SpecStats") -> None:
         self.plain_steps += other.plain_steps
+        self.length_counts = [a + b for a, b in zip(self.length_counts, other.length_counts)]
         self.total_draft_tokens += other.total_draft_tokens
         self.total_accepted_tokens += other.total_accepted_tokens
         self.distribution = [a + b for a, b in zip(self.distribution, other.distribution)]
@@ -44,8 +54,9 @@ class SpecStats:
         distribution = [d["distribution"][str(i)] for i in range(len(d["distribution"]))]
         # per-position acceptance is a count over the verify steps: the product is an integer
         at_position = [round(p * steps_n) for p in d["per_position_acceptance"]]
+        lengths = d.get("verify_length_counts", {})
         return cls(len(distribution) - 1, d["total_draft_tokens"], d["total_accepted_tokens"], distribution,
-                   at_position, d.get("num_plain_steps", 0))
+                   at_position, d.get("num_plain_steps", 0), [lengths.get(str(i), 0) for i in range(len(distribution))])
 
     def to_dict(self) -> dict:
         steps_n = sum(self.distribution)
@@ -64,6 +75,8 @@ class SpecStats:
             "per_position_acceptance": [a / steps_n if steps_n else 0.0 for a in self.accepted_at_position],
             # steps that ran without drafts (not verify steps: they count in none of the above)
             "num_plain_steps": self.plain_steps,
+            # the speculation length each step chose: steps (per sequence) that verified L drafts
+            "verify_length_counts": {str(i): c for i, c in enumerate(self.length_counts)},
         }
 
 

@@ -2,14 +2,15 @@
 
 `program_shapes` lists every (program, rows, length) shape a batcher can call for some sampling
 settings: prefill per batch bucket x prompt bucket, the decode step per batch bucket x span bucket
-(plain and speculative variants where `disable_by_batch_size` makes both possible; propose and
-each verified width with the confidence schedule). `warm_up` compiles them, cheapest first,
+x speculation length the batcher can choose (`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
 through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
 padding rows only, nothing run), so they land in jit's cache as a request would call them; a cap
 keeps the start-up bounded (the shapes past it are the largest, rarest ones).
 
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
-its programs instead of compiling them again.
+its programs instead of compiling them again. `measure_step_costs` measures the step costs the
+adaptive speculation length needs for every batch bucket not measured yet on the host it runs on (kept on
+disk beside the compilation cache, `dspark_jax.spec_length`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ API_DEFAULT = (1.0, 1.0)                  # OpenAI's temperature/top_p when a re
 @dataclass(frozen=True)
 class ProgramShape:
     """One compiled program a batcher can call. `length`: the prompt bucket (prefill) or the span
-    bucket (steps; None: every position); `width`: drafts verified (None: the engine's T from its
-    own draft model; 0 with a T > 0 engine: a plain step; with the schedule, 0..T)."""
+    bucket (steps; None: every position); `width`: drafts verified (None: the engine's T; 0 with a
+    T > 0 engine: a one-token step; else a shorter speculation length)."""
 
     kind: str                      # "prefill" or "step"
     rows: int
@@ -61,24 +62,16 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     among equals)."""
     slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
     buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
-    # the rows a bucket holds: more than the bucket below it, up to itself
-    held = {b: range((buckets[i - 1] if i else 0) + 1, b + 1) for i, b in enumerate(buckets)}
     longest_prompt = max_len - t - 1
     prompts = sorted({prefill_bucket(n) for n in [1] + [1 << k for k in range(longest_prompt.bit_length())]
                       + [longest_prompt]})
     spans = list(dict.fromkeys(batcher._span(n) for n in
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
-    off = batcher.disable_by_batch_size
-    schedule = batcher.engine.schedule is not None
+    widths = [None if n == t else n for n in batcher.reachable_lengths()]
     out = []
     for sampling in samplings:
         for b in buckets:
             out += [ProgramShape("prefill", b, s, sampling) for s in prompts]
-            widths: list[int | None] = []
-            if t and (off is None or held[b].start < off):
-                widths += list(range(t + 1)) if schedule else [None]
-            if t == 0 or (off is not None and held[b].stop - 1 >= off):
-                widths.append(0 if t else None)
             out += [ProgramShape("step", b, span, sampling, w) for span in spans for w in widths]
     order = {s: i for i, s in enumerate(samplings)}
     return sorted(out, key=lambda p: (p.cost(max_len), order[p.sampling], p.kind, p.width or 0))
@@ -121,12 +114,29 @@ def _call(batcher: Batcher, shape: ProgramShape) -> None:
     if shape.kind == "prefill":
         batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
         return
-    t = batcher.engine.t
-    if batcher.engine.schedule is not None and shape.width is not None:
-        batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, verify_width=shape.width)
-        return
-    drafts = np.zeros((shape.rows, 0), np.int32) if shape.width == 0 and t else None
-    batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts)
+    drafts = None
+    if batcher.proposer is not None and batcher.engine.t:
+        drafts = np.zeros((shape.rows, batcher.engine.t if shape.width is None else shape.width), np.int32)
+    batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts, length=shape.width)
+
+
+def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], None] | None = None) -> int:
+    """Measure the step costs of every batch bucket whose costs are not known yet (an adaptive
+    batcher; a few steps per speculation length each, on padding rows). `progress(done, total,
+    rows)` before each bucket. Returns the buckets measured."""
+    if not batcher.adaptive or batcher.step_costs.uniform:
+        return 0
+    buckets = sorted({batch_bucket(n, batcher.num_slots) for n in range(1, batcher.num_slots + 1)})
+    todo = [b for b in buckets if batcher.step_costs.get(b, batcher.lengths) is None]
+    start = time.perf_counter()
+    for i, b in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo), b)
+        batcher.measure_step_costs(b)
+    if todo:
+        log.info("step costs: %d batch buckets measured in %.1f s (kept in %s)", len(todo),
+                 time.perf_counter() - start, batcher.step_costs.path or "memory")
+    return len(todo)
 
 
 class ProgressBar:

@@ -28,8 +28,6 @@ flags.DEFINE_bool("chat", True, "Render the prompt with the target's chat templa
 flags.DEFINE_list("stop", None, "Stop strings.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 pair_flags.define_flags()       # --model, --draft_model, --dtype, --tp
-flags.DEFINE_bool("confidence_schedule", False, "Let the draft's confidence head choose how many drafts "
-                  "each step verifies (docs/architecture.md §5.6; default step-cost model).")
 engine_config.define_flags()    # --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_model_len, ...
 
 log = logging.getLogger("dspark_jax.serving")
@@ -57,7 +55,7 @@ def main(argv) -> None:
                    num_speculative_tokens=config.num_speculative_tokens, stop=FLAGS.stop, seed=FLAGS.seed,
                    chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=config.max_model_len,
                    kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
-                   confidence_schedule=FLAGS.confidence_schedule)
+                   speculative_length=config.speculative_length)
     if not primary:
         return
     out = res.outputs[0]

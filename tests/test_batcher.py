@@ -202,37 +202,40 @@ def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
     assert eng.propose_jit._cache_size() == 1 and eng.step_jit._cache_size() == 1
 
 
-def test_speculation_off_above_a_batch_size_keeps_output_and_draft_context(k3):
-    """speculative_disable_by_batch_size=2: steps over 2+ sequences run without drafts, a lone
-    sequence speculates again. Every request still equals plain greedy decoding, and the draft's
-    context rows written by the plain steps equal those a fully speculative run writes (so
-    speculation resumes on a complete draft cache)."""
+def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
+    """A cost model where any draft costs more than it returns at 2+ rows: steps over 2+
+    sequences are one-token steps, a lone sequence verifies all T again. Every request still
+    equals plain greedy decoding, and the draft's context rows written by the one-token steps
+    equal those a fully speculative run writes (so speculation resumes on a complete draft cache)."""
+    from dspark_jax.spec_length import StepCosts
     target, engines = k3
     eos = _eos(target)
+    dear = StepCosts.of(lambda rows, n: 1.0 if rows == 1 else 1.0 + n)
     ps = prompts(3, target.cfg.vocab_size, seed=24, lo=4, hi=12)
     budgets = [6, 14, 30]
     want = [_solo(engines[0], p, n, eos) for p, n in zip(ps, budgets)]
-    b = Batcher(engines[T], SLOTS, MAX_LEN, disable_by_batch_size=2)
+    b = Batcher(engines[T], SLOTS, MAX_LEN, step_costs=dear)
     reqs = b.run([Request(p, n, eos_ids=eos) for p, n in zip(ps, budgets)])
     assert [r.tokens for r in reqs] == want
     stats = b.stats.to_dict()
     assert stats["num_plain_steps"] > 0 and stats["num_verify_steps"] > 0
+    assert {k for k, c in stats["verify_length_counts"].items() if c} == {"0", str(T)}
     assert reqs[2].stats.plain_steps > 0 and reqs[2].stats.to_dict()["num_verify_steps"] > 0
     assert reqs[0].stats.to_dict()["num_verify_steps"] == 0      # it never ran alone
 
-    # through generate(), whose engine is shared with calls that always speculate
+    # through generate(), whose engine is shared with calls of a fixed length
     from dspark_jax.generate import generate
-    always = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T)
-    off = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T,
-                   speculative_disable_by_batch_size=2)
-    assert always.stats["num_plain_steps"] == 0 and off.stats["num_plain_steps"] > 0
-    assert [o.token_ids for o in off.outputs] == [o.token_ids for o in always.outputs]
+    fixed = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T,
+                     speculative_length="fixed", step_costs=dear)
+    adaptive = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T, step_costs=dear)
+    assert fixed.stats["num_plain_steps"] == 0 and adaptive.stats["num_plain_steps"] > 0
+    assert [o.token_ids for o in adaptive.outputs] == [o.token_ids for o in fixed.outputs]
 
-    # draft context rows: always plain (threshold 1) vs always speculative, the same sequence
+    # draft context rows: always one-token steps vs always speculative, the same sequence
     rows = slice(target.attention_rows, None)
     got = {}
-    for name, off in (("plain", 1), ("spec", None)):
-        bb = Batcher(engines[T], SLOTS, MAX_LEN, disable_by_batch_size=off)
+    for name, costs in (("plain", StepCosts.of(lambda rows, n: 1.0 + n)), ("spec", StepCosts.constant())):
+        bb = Batcher(engines[T], SLOTS, MAX_LEN, step_costs=costs)
         r = bb.run([Request(ps[2], 20)])[0]
         n = len(ps[2]) + len(r.tokens) - 1           # positions written (the last token is not yet in)
         pages, _ = _pages_of(bb.caches, 0)

@@ -288,31 +288,7 @@ def test_max_model_len_stops_cleanly(llama_pair):
 
 
 # ------------------------------------------------------------------------------------------------
-# confidence-scheduled verify (docs/architecture.md §5.6)
-
-
-def _objective(lengths, survival, cost):
-    r = len(lengths)
-    tau = r + sum(survival[i, :n].sum() for i, n in enumerate(lengths))
-    return tau / (cost.fixed + cost.per_token * (r + sum(lengths)))
-
-
-def test_verify_lengths_is_the_best_prefix_choice():
-    """Greedy admission equals the brute-force optimum of tau / t(B) over every choice of
-    per-row prefix lengths (R=3, T=4, 200 random confidence sets and costs)."""
-    import itertools
-
-    from dspark_jax.schedule import VerifyCost, verify_lengths
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        conf = rng.uniform(0, 1, size=(3, 4)) ** rng.uniform(0.2, 3)
-        cost = VerifyCost(1.0, float(rng.uniform(0.0, 0.6)))
-        survival = np.cumprod(conf, axis=1)
-        got = verify_lengths(conf, cost)
-        best = max(_objective(ls, survival, cost) for ls in itertools.product(range(5), repeat=3))
-        assert _objective(got, survival, cost) == pytest.approx(best, rel=1e-12)
-    assert list(verify_lengths(np.full((2, 4), 0.9), VerifyCost(1.0, 0.0))) == [4, 4]     # free tokens: all
-    assert list(verify_lengths(np.full((2, 4), 0.9), VerifyCost(1.0, 10.0))) == [0, 0]    # dear tokens: none
+# the speculation length chosen per step (dspark_jax/spec_length.py, docs/profile.md)
 
 
 def test_accept_sampling_with_a_limit_emits_the_targets_marginals():
@@ -340,31 +316,47 @@ def test_accept_sampling_with_a_limit_emits_the_targets_marginals():
 
 
 @pytest.mark.parametrize("family", ["llama", "k3"])
-def test_lossless_greedy_with_confidence_schedule(request, family):
-    from dspark_jax.schedule import VerifyCost
+def test_adaptive_length_varies_with_the_batch_and_stays_lossless(request, family):
+    """A cost model where a wide verify is dear at 4 rows and free at 1 (a compute-bound CPU):
+    alone a sequence verifies all T drafts, in a batch of 4 fewer (down to one-token steps), and
+    every output equals plain greedy decoding."""
+    from dspark_jax.spec_length import StepCosts
     target, draft = request.getfixturevalue(f"{family}_pair")
-    chunk = prompts(4, target.cfg.vocab_size, seed=21, hi=16)
-    plain = generate(target, None, chunk, max_new_tokens=12)
-    spec = generate(target, draft, chunk, max_new_tokens=12, num_speculative_tokens=5,
-                    confidence_schedule=VerifyCost(1.0, 0.15))
-    same_tokens(plain, spec)
-    st = spec.stats
-    # the schedule really cut the verify length, and not to nothing
-    assert 0 < st["total_draft_tokens"] < 5 * st["num_verify_steps"]
+    costs = StepCosts.of(lambda rows, n: 1.0 + (0.0 if rows == 1 else 0.5 * n))
+    ps = prompts(4, target.cfg.vocab_size, seed=21, hi=16)
+    plain = generate(target, None, ps, max_new_tokens=12)
+    batch = generate(target, draft, ps, max_new_tokens=12, num_speculative_tokens=5, step_costs=costs)
+    alone = [generate(target, draft, [p], max_new_tokens=12, num_speculative_tokens=5, step_costs=costs)
+             for p in ps[:2]]
+    same_tokens(plain, batch)
+    assert [a.outputs[0].token_ids for a in alone] == [o.token_ids for o in plain.outputs[:2]]
+    used_batch = {int(k) for k, c in batch.stats["verify_length_counts"].items() if c}
+    used_alone = {int(k) for a in alone for k, c in a.stats["verify_length_counts"].items() if c}
+    assert used_alone == {5} and min(used_batch) < 5
+    # the counts are per sequence and step; one-token steps are the plain steps
+    counts = batch.stats["verify_length_counts"]
+    assert sum(counts.values()) == batch.stats["num_verify_steps"] + batch.stats["num_plain_steps"]
+    assert counts["0"] == batch.stats["num_plain_steps"]
+    fixed = generate(target, draft, ps, max_new_tokens=12, num_speculative_tokens=5, step_costs=costs,
+                     speculative_length="fixed")
+    assert fixed.stats["verify_length_counts"]["5"] == fixed.stats["num_verify_steps"] > 0
+    same_tokens(plain, fixed)
 
 
-def test_speculative_sampling_with_confidence_schedule_matches_target():
-    """As the end-to-end sampling test, with the schedule choosing per-row verify lengths (a token
-    cost that, at 2000 rows, admits drafts whose survival is above about 1/3)."""
-    from dspark_jax.schedule import VerifyCost
+def test_speculative_sampling_with_a_shorter_length_matches_target():
+    """As the end-to-end sampling test, with every step verifying one of the T = 3 drafts (a cost
+    model where longer verifies are dear): the draft block's logits cut to the verified drafts
+    keep rejection sampling exact."""
+    from dspark_jax.spec_length import StepCosts
     target = tiny_llama(3, vocab=12)
     draft = tiny_draft(target, 4)
     prompt = [1, 5, 7, 2]
     p1, p2 = _exact_two_token_marginal(target, prompt)
+    costs = StepCosts.of(lambda rows, n: 1.0 if n <= 1 else 100.0)
     res = generate(target, draft, [prompt] * 2000, max_new_tokens=3, temperature=1.0,
-                   num_speculative_tokens=3, seed=12, confidence_schedule=VerifyCost(1.0, 2e-4))
+                   num_speculative_tokens=3, seed=12, step_costs=costs)
     second = np.array([o.token_ids[1] for o in res.outputs])
     assert chi2_pvalue(np.bincount(second, minlength=12), p2) > 1e-3
     st = res.stats
-    assert 0 < st["total_draft_tokens"] < 3 * st["num_verify_steps"]
+    assert st["verify_length_counts"]["1"] == st["num_verify_steps"] > 0 and st["num_plain_steps"] == 0
     assert st["total_accepted_tokens"] > 0

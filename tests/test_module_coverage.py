@@ -64,7 +64,6 @@ UNTESTED_BY_NAME = {
     "params.py": "parameter walking under every converter: tests/test_dspark_draft.py, tests/test_target_io.py",
     "presets.py": "preset names and the SmolLM2 install: tests/test_gguf_tokenizer.py, tests/test_smollm2.py",
     "sampling.py": "sampled verification: tests/test_generate.py, tests/test_compute_dtype.py",
-    "schedule.py": "the confidence schedule through generation: tests/test_generate.py",
     "serving/app.py": "the HTTP app through the OpenAI client: tests/test_server.py",
     "serving/card.py": "the acceptance card (serve.bench): tests/test_bench.py",
     "serving/metrics.py": "the /metrics endpoint: tests/test_server.py",

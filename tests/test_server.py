@@ -218,11 +218,19 @@ def test_load_32_concurrent_clients(server, models):
     metrics = httpx.get(url + "/metrics").text
     assert re.search(r'^dspark_http_requests_total\{path="/v1/completions",status="200"\} \d+', metrics, re.M)
     assert "dspark_num_requests_running 0" in metrics
+    # the speculation length chosen per step (every length costs the same under the tests'
+    # $DSPARK_STEP_COSTS=uniform: always T), in /debug/mtp_stats and /metrics alike
+    s = httpx.get(url + "/debug/mtp_stats").json()
+    assert s["verify_length_counts"][str(T)] == s["num_verify_steps"] > 0
+    assert sum(s["verify_length_counts"].values()) == s["num_verify_steps"] + s["num_plain_steps"]
+    m = re.search(rf'^dspark_spec_decode_length_steps_total\{{length="{T}"\}} (\d+)', metrics, re.M)
+    assert m and int(m.group(1)) >= total[2]
     # start-up description and the periodic statistics line
     time.sleep(1.5)
     log = log_path.read_text()
     for needle in ("target: ", "family=llama", "drafter: DSpark", "aux capture layer ids [0, 2]",
-                   "kv cache: --kv_cache_dtype auto", "mesh: ", "[MTP Stats] verify steps"):
+                   "kv cache: --kv_cache_dtype auto", "mesh: ", "[MTP Stats] verify steps",
+                   "speculation length adaptive", "steps by speculation length"):
         assert needle in log, needle
     print(f"load test: 96 requests from 32 clients in {elapsed:.1f} s")
 

@@ -77,13 +77,12 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
     """Timed steps on a fresh cache, `context` tokens deep, bounded like the batcher's (span):
     the draft's block pass alone, a verify of T+1 tokens and a one-token step (both with given
     drafts, so without the block pass). Returns the draft's share of a speculative step, the
-    tok/fwd at which speculation breaks even with one-token steps, the fitted VerifyCost, and the
+    tok/fwd at which speculation breaks even with one-token steps, and the
     three times in ms."""
     import jax
     import jax.numpy as jnp
 
     from dspark_jax.batcher import pow2
-    from dspark_jax.schedule import VerifyCost
 
     t = eng.t
     max_len = max(512, pow2(context + t + 1))
@@ -109,10 +108,8 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
         return _timed(lambda: [fn() for _ in range(reps)])[1] / reps
 
     t_draft, t_full, t_one = timed(propose), timed(lambda: verify(t)), timed(lambda: verify(0))
-    per_token = max(t_full - t_one, 0.0) / (b * t)
-    fixed = max(t_one - per_token * b, 1e-9)
     return {"draft_share": t_draft / (t_draft + t_full), "break_even": (t_draft + t_full) / t_one,
-            "verify_cost": VerifyCost(fixed, per_token), "draft_block_ms": 1e3 * t_draft,
+            "draft_block_ms": 1e3 * t_draft,
             "verify_ms": 1e3 * t_full, "one_token_step_ms": 1e3 * t_one}
 
 

@@ -99,6 +99,9 @@ def _metrics(worker: EngineWorker) -> Metrics:
     m.gauge("spec_decode_per_position_acceptance", "P(draft k accepted), by draft position k = 1..T.",
             lambda: {(("position", str(k + 1)),): a
                      for k, a in enumerate(worker.stats()["per_position_acceptance"])})
+    m.gauge("spec_decode_length_steps", "Per-request steps by the speculation length L chosen (drafts "
+            "verified; 0 = a one-token step).",
+            lambda: {(("length", k),): c for k, c in worker.stats()["verify_length_counts"].items()}, kind="counter")
     return m
 
 

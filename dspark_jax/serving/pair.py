@@ -151,8 +151,9 @@ def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: b
                      f"layers, block of {num_speculative_tokens} speculative tokens, aux capture layer ids "
                      f"{list(dc.target_layer_ids)}, markov rank {dc.markov_rank}, confidence head "
                      f"{'on' if dc.enable_confidence_head else 'off'}"
-                     + (f", off while {config.disable_by_batch_size}+ sequences share a step"
-                        if config.disable_by_batch_size else ""))
+                     + (f", speculation length {config.speculative_length}"
+                        + (" (0..T per step from measured step costs)" if config.speculative_length == "adaptive"
+                           else "")))
     cache = f"kv cache: --kv_cache_dtype {config.kv_cache_dtype}"
     if store_dtype is not None:
         stored, value = jax.numpy.dtype(store_dtype), value_dtype(store_dtype)

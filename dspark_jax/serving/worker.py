@@ -53,9 +53,11 @@ def format_mtp_stats(stats: dict, extra: str = "") -> str:
     if not stats["enabled"]:
         return "[MTP Stats] disabled (plain decoding)" + (f"; {extra}" if extra else "")
     dist = ", ".join(f"{k}:{v}" for k, v in stats["distribution"].items())
+    lengths = ", ".join(f"{k}:{v}" for k, v in stats.get("verify_length_counts", {}).items() if v)
     line = (f"[MTP Stats] verify steps {stats['num_verify_steps']}, draft tokens {stats['total_draft_tokens']}, "
             f"accepted {stats['total_accepted_tokens']} ({100 * stats['acceptance_rate']:.2f}%), "
-            f"tok/fwd {stats['average_tokens_per_forward']:.3f}, distribution {{{dist}}}")
+            f"tok/fwd {stats['average_tokens_per_forward']:.3f}, distribution {{{dist}}}, "
+            f"steps by speculation length {{{lengths}}}")
     return f"{line}; {extra}" if extra else line
 
 

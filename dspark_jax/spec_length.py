@@ -1,0 +1,184 @@
+"""How many drafts each decode step verifies: the length L in 0..T that maximises expected tokens
+per second, from the acceptance measured so far and the measured cost of a step (docs/profile.md,
+"Speculation length per step").
+
+A step over B rows that verifies L drafts per row emits on average B * (1 + E[accepted | L])
+tokens and takes c(B, L) seconds; L = 0 is a one-token step (no draft block; the draft's context
+rows are still written, so speculation can resume at any step). The choice looks only at past
+steps, never at the target's verdict on the current one, so greedy output stays the target's own.
+
+- `AcceptanceEstimate`: P(draft k accepted | drafts before k were), pooled over every row and
+  step of an engine, with a prior so it starts sensibly and keeps an estimate for positions it
+  rarely verifies.
+- `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
+  (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
+  CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
+  pair's configs, the dtypes, T and the page size.
+- `choose_length`: the argmax.
+
+`$DSPARK_STEP_COSTS` overrides where the tables live: a directory, "off" (measure, keep in memory
+only) or "uniform" (assume every L costs the same as a one-token step: L is always T; what a
+memory-bound accelerator at small batch amounts to, and what keeps test runs from measuring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger("dspark_jax")
+
+ENV_COSTS = "DSPARK_STEP_COSTS"
+SPECULATIVE_LENGTHS = ("adaptive", "fixed")
+
+
+def candidate_lengths(t: int) -> tuple[int, ...]:
+    """The lengths a step may verify: 0, then verify widths L + 1 that are powers of two (2, 4, 8
+    tokens a row), and T. Each length is a compiled program per batch and span bucket, so the set
+    is small; halving the width between candidates keeps the step from the best length within a
+    factor of two of its verify work, and T = 7 (ATOM's default) gives exactly {0, 1, 3, 7}."""
+    out, k = {0, t}, 1
+    while (1 << k) - 1 < t:
+        out.add((1 << k) - 1)
+        k += 1
+    return tuple(sorted(out))
+
+
+class AcceptanceEstimate:
+    """Conditional acceptance per draft position, pooled over steps and rows. Position k's
+    estimate is (accepted_k + s * p_{k-1}) / (tried_k + s): its prior is the estimate of the
+    position before it (the first one's: `prior`), so a position the steps rarely reach keeps a
+    sensible value (acceptance seldom rises along the block). Counts are halved past `window`
+    tries of the first position, so the estimate follows a workload that changes."""
+
+    def __init__(self, t: int, prior: float = 0.6, strength: float = 8.0, window: int = 4096):
+        self.t, self.prior, self.strength, self.window = t, prior, strength, window
+        self.tried_K = np.zeros(t)
+        self.accepted_K = np.zeros(t)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """One row of a step: `verified` drafts scored, the first `accepted` of them accepted
+        (the one after them, if scored, was rejected)."""
+        if verified <= 0:
+            return
+        self.tried_K[:min(accepted + 1, verified)] += 1
+        self.accepted_K[:accepted] += 1
+        if self.tried_K[0] > self.window:
+            self.tried_K /= 2
+            self.accepted_K /= 2
+
+    def conditional(self) -> np.ndarray:
+        """[T] P(draft k accepted | drafts before it were)."""
+        out, prev = np.zeros(self.t), self.prior
+        for k in range(self.t):
+            prev = out[k] = (self.accepted_K[k] + self.strength * prev) / (self.tried_K[k] + self.strength)
+        return out
+
+    def expected_accepted(self, lengths) -> dict[int, float]:
+        """E[drafts accepted] of a step verifying L drafts, for each L in `lengths`."""
+        survival = np.concatenate([[0.0], np.cumsum(np.cumprod(self.conditional()))])
+        return {int(n): float(survival[n]) for n in lengths}
+
+
+class StepCosts:
+    """Seconds of one decode step by batch bucket (rows) and verified length: measured tables
+    (`table`, persisted at `path`), or a function of (rows, length) (an injected model; tests).
+    `uniform()`: every length costs the same (L is always T: nothing to measure)."""
+
+    def __init__(self, table: dict[int, dict[int, float]] | None = None, *, path: Path | None = None,
+                 key: dict | None = None, fn: Callable[[int, int], float] | None = None, uniform: bool = False):
+        self.table = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in (table or {}).items()}
+        self.path, self.key, self.fn, self.uniform = path, key, fn, uniform
+
+    @classmethod
+    def of(cls, fn: Callable[[int, int], float]) -> "StepCosts":
+        """A cost model given as a function `fn(rows, length) -> seconds` (nothing measured)."""
+        return cls(fn=fn)
+
+    @classmethod
+    def constant(cls) -> "StepCosts":
+        return cls(fn=lambda rows, length: 1.0, uniform=True)
+
+    def get(self, rows: int, lengths) -> dict[int, float] | None:
+        """{length: seconds} for a step over `rows` rows, None when not measured yet."""
+        if self.fn is not None:
+            return {n: float(self.fn(rows, n)) for n in lengths}
+        got = self.table.get(rows)
+        return got if got is not None and all(n in got for n in lengths) else None
+
+    def put(self, rows: int, costs: dict[int, float]) -> None:
+        """Record a measured bucket and write the table (atomically) where it is kept."""
+        self.table[rows] = {int(n): float(s) for n, s in costs.items()}
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"key": self.key, "seconds_by_rows_and_length":
+                {str(b): {str(n): s for n, s in sorted(c.items())} for b, c in sorted(self.table.items())}}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def reachable(self, lengths) -> tuple[int, ...]:
+        """The lengths `choose_length` can pick (all of them unless costs are uniform)."""
+        return (max(lengths),) if self.uniform else tuple(lengths)
+
+    @classmethod
+    def load(cls, directory: Path, key: dict) -> "StepCosts":
+        """The table kept for `key` in `directory` (empty if none, or if the file is unreadable)."""
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        path = directory / f"{digest}.json"
+        table = {}
+        try:
+            body = json.loads(path.read_text())
+            if body.get("key") == key:
+                table = body["seconds_by_rows_and_length"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return cls(table, path=path, key=key)
+
+
+def costs_for(engine) -> StepCosts:
+    """The step-cost tables of `engine`'s programs on the host it runs on, as `$DSPARK_STEP_COSTS` says
+    (default: `<dspark cache>/step_costs`, beside the compilation cache)."""
+    from dspark_jax.presets import cache_dir
+
+    value = os.environ.get(ENV_COSTS)
+    if value is not None and value.strip().lower() == "uniform":
+        return StepCosts.constant()
+    key = cost_key(engine)
+    if value is not None and value.strip().lower() in ("", "off", "none"):
+        return StepCosts(key=key)
+    directory = Path(value).expanduser() if value is not None else cache_dir() / "step_costs"
+    return StepCosts.load(directory, key)
+
+
+def cost_key(engine) -> dict:
+    """What a step's measured time depends on besides the batch and L."""
+    import jax
+
+    from dspark_jax.hostinfo import describe_cpu
+    from dspark_jax.kernels.dispatch import kernel_mode
+
+    dev = jax.devices()[0]
+    configs = repr(engine.target.cfg) + "|" + repr(engine.draft.cfg if engine.draft is not None else None)
+    return {"hardware": describe_cpu() if dev.platform == "cpu" else f"{dev.platform} {dev.device_kind}",
+            "devices": jax.device_count(), "jax": jax.__version__,
+            "model": hashlib.sha256(configs.encode()).hexdigest()[:16],
+            "dtype": str(np.dtype(engine.compute_dtype)), "kv_storage": str(np.dtype(engine.store_dtype)),
+            "num_speculative_tokens": engine.t, "page_size": engine.page_size,
+            "serving_layout": engine.serving is not None, "kernels": kernel_mode()}
+
+
+def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float]) -> int:
+    """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
+    are the same for every L); the shorter one among equals."""
+    expected = acceptance.expected_accepted(costs)
+    return max(costs, key=lambda n: ((1.0 + expected[n]) / costs[n], -n))

@@ -1,0 +1,118 @@
+"""The speculation length per step (`dspark_jax.spec_length`): the candidate lengths, the pooled
+acceptance estimate, the choice against a brute-force optimum, and the step-cost tables measured
+once and kept on disk (the losslessness of adaptive generation: tests/test_generate.py,
+tests/test_batcher.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax import warmup
+from dspark_jax.batcher import Batcher, Request
+from dspark_jax.engine import Engine
+from dspark_jax.engine_config import EngineConfig
+from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, candidate_lengths, choose_length,
+                                    costs_for)
+from tests.gen_utils import prompts, tiny_draft, tiny_llama
+
+
+def test_candidate_lengths_are_power_of_two_widths_and_t():
+    assert candidate_lengths(7) == (0, 1, 3, 7)
+    assert candidate_lengths(5) == (0, 1, 3, 5)
+    assert candidate_lengths(1) == (0, 1)
+    assert candidate_lengths(15) == (0, 1, 3, 7, 15)
+
+
+def test_acceptance_estimate_counts_tries_and_keeps_a_prior_for_unreached_positions():
+    est = AcceptanceEstimate(4, prior=0.6, strength=8.0)
+    np.testing.assert_allclose(est.conditional(), [0.6] * 4)
+    for _ in range(100):
+        est.observe(verified=2, accepted=0)        # position 1 tried and rejected
+        est.observe(verified=2, accepted=2)        # positions 1, 2 accepted
+    p = est.conditional()
+    assert p[0] == pytest.approx((100 + 8 * 0.6) / (200 + 8))
+    assert p[1] == pytest.approx((100 + 8 * p[0]) / (100 + 8))
+    # positions never verified take the estimate before them
+    assert p[2] == pytest.approx(p[1]) and p[3] == pytest.approx(p[1])
+    expected = est.expected_accepted((0, 1, 3))
+    assert expected[0] == 0.0 and expected[1] == pytest.approx(p[0])
+    assert expected[3] == pytest.approx(p[0] + p[0] * p[1] + p[0] * p[1] * p[2])
+    est.observe(verified=0, accepted=0)            # a one-token step scores nothing
+    assert est.conditional()[0] == pytest.approx(p[0])
+
+
+def test_acceptance_estimate_forgets_old_steps_past_its_window():
+    est = AcceptanceEstimate(1, strength=1.0, window=100)
+    for _ in range(1000):
+        est.observe(1, 1)
+    for _ in range(300):
+        est.observe(1, 0)
+    assert est.tried_K[0] <= 100 and est.conditional()[0] < 0.4
+
+
+def test_choose_length_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    lengths = candidate_lengths(7)
+    for _ in range(200):
+        est = AcceptanceEstimate(7, prior=float(rng.uniform(0.05, 0.95)))
+        for _ in range(int(rng.integers(0, 50))):
+            v = int(rng.choice(lengths[1:]))
+            est.observe(v, int(rng.integers(0, v + 1)))
+        costs = {n: 1.0 + float(rng.uniform(0, 0.5)) * n ** float(rng.uniform(0.5, 1.5)) for n in lengths}
+        got = choose_length(est, costs)
+        e = est.expected_accepted(lengths)
+        best = max((1 + e[n]) / costs[n] for n in lengths)
+        assert (1 + e[got]) / costs[got] == pytest.approx(best, rel=1e-12)
+    est = AcceptanceEstimate(7)
+    assert choose_length(est, dict.fromkeys(lengths, 1.0)) == 7                 # free drafts: all of them
+    assert choose_length(est, {n: 1.0 + n for n in lengths}) == 0                # dear drafts: none
+
+
+def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
+    """A batch bucket met for the first time is measured (a few steps per length on padding rows,
+    nothing written into the caches) and written as JSON under $DSPARK_STEP_COSTS, keyed by the
+    host, the model and the dtypes; a new engine of the same pair reads it instead of measuring."""
+    monkeypatch.setenv(ENV_COSTS, str(tmp_path))
+    target = tiny_llama(0)
+    draft = tiny_draft(target, 1)
+    t = 3
+    eng = Engine(target, draft, EngineConfig(num_speculative_tokens=t))
+    b = Batcher(eng, 1, 128)
+    assert warmup.measure_step_costs(b) == 1
+    assert not np.asarray(b.caches.pool.pages).any()
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    body = json.loads(files[0].read_text())
+    assert body["key"]["num_speculative_tokens"] == t and body["key"]["dtype"] == "float32"
+    assert "cores" in body["key"]["hardware"] and body["key"]["devices"] >= 1
+    measured = body["seconds_by_rows_and_length"]["1"]
+    assert set(measured) == {"0", "1", "3"} and all(s > 0 for s in measured.values())
+    # a fresh engine loads the table: nothing left to measure, and generation uses it
+    again = Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=t)), 1, 128)
+    assert again.step_costs.get(1, again.lengths) == {int(k): v for k, v in measured.items()}
+    assert warmup.measure_step_costs(again) == 0
+    ref = Batcher(Engine(target, None, EngineConfig(num_speculative_tokens=0)), 1, 128)
+    p = prompts(1, target.cfg.vocab_size, seed=3)[0]
+    assert again.run([Request(p, 10)])[0].tokens == ref.run([Request(p, 10)])[0].tokens
+    # another dtype or T is another table
+    other = dict(costs_for(Engine(target, draft, EngineConfig(num_speculative_tokens=2))).key)
+    assert other != body["key"] and other["num_speculative_tokens"] == 2
+
+
+def test_step_costs_environment_settings(monkeypatch):
+    target = tiny_llama(0)
+    eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=3))
+    monkeypatch.setenv(ENV_COSTS, "uniform")
+    uniform = costs_for(eng)
+    assert uniform.uniform and uniform.reachable((0, 1, 3)) == (3,)
+    monkeypatch.setenv(ENV_COSTS, "off")
+    off = costs_for(eng)
+    assert off.path is None and off.get(1, (0, 1, 3)) is None and not off.uniform
+    off.put(1, {0: 1.0, 1: 2.0, 3: 3.0})            # kept in memory only
+    assert off.get(1, (0, 1, 3)) == {0: 1.0, 1: 2.0, 3: 3.0}
+    with pytest.raises(Exception, match="speculative_length"):
+        EngineConfig(speculative_length="sometimes")
+    assert StepCosts.of(lambda rows, n: rows + n).get(4, (0, 1)) == {0: 4.0, 1: 5.0}
