@@ -20,6 +20,12 @@ from dspark_jax.schedule import VerifyCost
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
+# Prompt tokens one prefill call computes per engine step (vLLM's name; its default for online
+# serving). It bounds how long a long prompt stalls the running streams (one chunk per step, not
+# the whole prompt) and the prefill program's activation memory (a whole 16K-token prompt does not
+# fit Kimi-K3 on 8 x 288 GB); larger chunks amortise the weight reads of a prefill better.
+MAX_NUM_BATCHED_TOKENS = 2048
+
 
 # --dtype of the entry points (serving.pair.resolve_dtype): the compute dtype the pair is loaded in
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "auto")
@@ -41,6 +47,9 @@ class EngineConfig:
     # CPU at batch 8) speculation costs more than it returns. None: always speculate. The Batcher
     # applies it (the compiled programs do not depend on it)
     disable_by_batch_size: int | None = None
+    # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
+    # the decode steps of the running sequences (the Batcher applies it)
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self):
         self.validate()
@@ -59,6 +68,8 @@ class EngineConfig:
             raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.max_num_batched_tokens < 1:
+            raise RequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
             raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
                                f"step of {self.num_speculative_tokens + 1}")
@@ -87,7 +98,8 @@ class EngineConfig:
 
 def define_flags(flag_values=None, **defaults) -> None:
     """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs,
-    --max_model_len (ATOM's names) and --speculative_disable_by_batch_size (vLLM's). `defaults`
+    --max_model_len (ATOM's names), --speculative_disable_by_batch_size and --max_num_batched_tokens
+    (vLLM's). `defaults`
     overrides a default where a program's purpose differs (serve.plan plans Kimi-K3 deployments at
     ATOM's page size and context)."""
     from absl import flags
@@ -96,7 +108,8 @@ def define_flags(flag_values=None, **defaults) -> None:
     base = EngineConfig()
     d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
              block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len,
-             speculative_disable_by_batch_size=base.disable_by_batch_size)
+             speculative_disable_by_batch_size=base.disable_by_batch_size,
+             max_num_batched_tokens=base.max_num_batched_tokens)
     unknown = set(defaults) - set(d)
     if unknown:
         raise ValueError(f"unknown engine flags {sorted(unknown)}")
@@ -116,6 +129,11 @@ def define_flags(flag_values=None, **defaults) -> None:
     flags.DEFINE_integer("speculative_disable_by_batch_size", d["speculative_disable_by_batch_size"],
                          "Decode without drafts while at least this many sequences share a step (unset: "
                          "always speculate).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("max_num_batched_tokens", d["max_num_batched_tokens"],
+                         "Prompt tokens prefilled per engine step: a longer prompt goes in chunk by chunk between "
+                         "the running sequences' decode steps, so it stalls them for one chunk at a time; it also "
+                         "bounds the prefill's activation memory (vLLM's online-serving default).",
+                         lower_bound=1, flag_values=fv)
 
 
 def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineConfig:
@@ -125,4 +143,5 @@ def from_flags(flag_values=None, schedule: VerifyCost | None = None) -> EngineCo
     fv = flag_values or flags.FLAGS
     return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
                         page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
-                        schedule=schedule, disable_by_batch_size=fv.speculative_disable_by_batch_size)
+                        schedule=schedule, disable_by_batch_size=fv.speculative_disable_by_batch_size,
+                        max_num_batched_tokens=fv.max_num_batched_tokens)

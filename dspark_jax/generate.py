@@ -17,7 +17,7 @@ import numpy as np
 
 from dspark_jax.batcher import Batcher, Request, pow2
 from dspark_jax.engine import Engine, sampling_key
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.engine_config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
 from dspark_jax.schedule import VerifyCost
@@ -46,7 +46,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
              confidence_schedule: bool | VerifyCost = False,
-             speculative_disable_by_batch_size: int | None = None, dtype="auto") -> GenerateResult:
+             speculative_disable_by_batch_size: int | None = None,
+             max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -59,6 +60,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     drafts each step verifies (docs/architecture.md §5.6); off by default, as in ATOM for Kimi-K3-DSpark.
     `speculative_disable_by_batch_size=N`: steps over N or more sequences run without drafts (where
     a wide verify is compute-bound, e.g. a CPU at batch 8; docs/profile.md); output is unchanged.
+    `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
+    by chunk; output is unchanged).
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -72,7 +75,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
         schedule = confidence_schedule if isinstance(confidence_schedule, VerifyCost) else VerifyCost()
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype,
                           page_size=page_size, max_model_len=max_model_len, schedule=schedule,
-                          disable_by_batch_size=speculative_disable_by_batch_size)
+                          disable_by_batch_size=speculative_disable_by_batch_size,
+                          max_num_batched_tokens=max_num_batched_tokens)
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
@@ -106,7 +110,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if engine is None:
         engine = engine_for(target, draft, config, temperature, top_p)
     batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
-                      disable_by_batch_size=config.disable_by_batch_size)
+                      disable_by_batch_size=config.disable_by_batch_size,
+                      max_num_batched_tokens=config.max_num_batched_tokens)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
@@ -126,8 +131,10 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
-    # part of what a compiled engine is; slots, capacity and when to speculate are the batcher's
-    programs = config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None)
+    # part of what a compiled engine is; slots, capacity, when to speculate and the prefill chunk
+    # are the batcher's
+    programs = config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None,
+                              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:

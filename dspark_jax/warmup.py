@@ -1,7 +1,9 @@
 """Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
 
 `program_shapes` lists every (program, rows, length) shape a batcher can call for some sampling
-settings: prefill per batch bucket x prompt bucket, the decode step per batch bucket x span bucket
+settings: prefill per batch bucket x chunk bucket within `max_num_batched_tokens` (first chunks),
+and one full-width chunk per span bucket a longer prompt's later chunks reach (`Batcher._next_chunks`),
+the decode step per batch bucket x span bucket
 (plain and speculative variants where `disable_by_batch_size` makes both possible; propose and
 each verified width with the confidence schedule). `warm_up` compiles them, cheapest first,
 through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
@@ -25,7 +27,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.batcher import Batcher, batch_bucket, prefill_bucket
+from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
 
 log = logging.getLogger("dspark_jax")
 
@@ -36,21 +38,23 @@ API_DEFAULT = (1.0, 1.0)                  # OpenAI's temperature/top_p when a re
 
 @dataclass(frozen=True)
 class ProgramShape:
-    """One compiled program a batcher can call. `length`: the prompt bucket (prefill) or the span
+    """One compiled program a batcher can call. `length`: the chunk bucket (prefill) or the span
     bucket (steps; None: every position); `width`: drafts verified (None: the engine's T from its
-    own draft model; 0 with a T > 0 engine: a plain step; with the schedule, 0..T)."""
+    own draft model; 0 with a T > 0 engine: a plain step; with the schedule, 0..T); `offset`: a
+    later chunk's first position (its span bucket covers offset + length)."""
 
     kind: str                      # "prefill" or "step"
     rows: int
     length: int | None
     sampling: tuple[float, float]
     width: int | None = None
+    offset: int = 0
 
     def cost(self, max_len: int) -> int:
-        return self.rows * (self.length or max_len)
+        return self.rows * ((self.length or max_len) + self.offset)
 
     def __str__(self) -> str:
-        what = f"{self.kind} {self.rows}x{self.length or 'all'}"
+        what = f"{self.kind} {self.rows}x{self.length or 'all'}" + (f" at {self.offset}" if self.offset else "")
         if self.width is not None:
             what += f" width {self.width}"
         return what + ("" if self.sampling == GREEDY else f" T={self.sampling[0]:g}/p={self.sampling[1]:g}")
@@ -64,8 +68,14 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     # the rows a bucket holds: more than the bucket below it, up to itself
     held = {b: range((buckets[i - 1] if i else 0) + 1, b + 1) for i, b in enumerate(buckets)}
     longest_prompt = max_len - t - 1
-    prompts = sorted({prefill_bucket(n) for n in [1] + [1 << k for k in range(longest_prompt.bit_length())]
-                      + [longest_prompt]})
+    budget = batcher.max_num_batched_tokens
+    longest_chunk = min(longest_prompt, budget)
+    chunks = sorted({chunk_bucket(n, budget) for n in [1] + [1 << k for k in range(longest_chunk.bit_length())]
+                     + [longest_chunk]})
+    # a prompt longer than the budget: its later chunks (one row, full width) at offsets k x budget,
+    # one program per span bucket they reach beyond the first chunk's
+    later = {batcher._span(o + budget): o for o in reversed(range(budget, longest_prompt, budget))}
+    later.pop(batcher._span(budget), None)
     spans = list(dict.fromkeys(batcher._span(n) for n in
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     off = batcher.disable_by_batch_size
@@ -73,7 +83,9 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     out = []
     for sampling in samplings:
         for b in buckets:
-            out += [ProgramShape("prefill", b, s, sampling) for s in prompts]
+            out += [ProgramShape("prefill", b, c, sampling) for c in chunks if b == 1 or b * c <= budget]
+            if b == 1:
+                out += [ProgramShape("prefill", 1, budget, sampling, offset=o) for o in later.values()]
             widths: list[int | None] = []
             if t and (off is None or held[b].start < off):
                 widths += list(range(t + 1)) if schedule else [None]
@@ -119,7 +131,8 @@ def _call(batcher: Batcher, shape: ProgramShape) -> None:
     zeros = np.zeros(shape.rows, np.int32)
     temperature, top_p = shape.sampling
     if shape.kind == "prefill":
-        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
+        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p,
+                            np.full(shape.rows, shape.offset, np.int32))
         return
     t = batcher.engine.t
     if batcher.engine.schedule is not None and shape.width is not None:

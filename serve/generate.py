@@ -57,7 +57,8 @@ def main(argv) -> None:
                    num_speculative_tokens=config.num_speculative_tokens, stop=FLAGS.stop, seed=FLAGS.seed,
                    chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=config.max_model_len,
                    kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
-                   confidence_schedule=FLAGS.confidence_schedule)
+                   confidence_schedule=FLAGS.confidence_schedule,
+                   max_num_batched_tokens=config.max_num_batched_tokens)
     if not primary:
         return
     out = res.outputs[0]

@@ -41,11 +41,14 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-@pytest.mark.parametrize("disable_by_batch_size", [None, 2])
-def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size):
+@pytest.mark.parametrize("disable_by_batch_size,budget", [(None, 2048), (2, 2048), (None, 32)])
+def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size, budget):
+    """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
+    64, 96 reach two span buckets), short ones several to a call."""
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
-    b = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    kw = dict(disable_by_batch_size=disable_by_batch_size, max_num_batched_tokens=budget)
+    b = Batcher(eng, 3, 128, **kw)
     with CompileCounter() as warm:
         info = warmup.warm_up(b)
     assert info["programs"] == len(warmup.program_shapes(b)) and info["skipped"] == 0
@@ -53,11 +56,13 @@ def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size):
     # padding rows only: the warm-up wrote nothing
     assert not np.asarray(b.caches.pool.pages).any()
     ps = prompts(4, target.cfg.vocab_size, seed=31, lo=3, hi=40)
+    long_prompt = prompts(1, target.cfg.vocab_size, seed=32, lo=110, hi=111)[0]
     with CompileCounter() as served:
         short = b.run([Request(ps[0], 6)])                           # a short request alone
         many = b.run([Request(p, 30) for p in ps])                   # then a batch, slots reused
+        b.run([Request(ps[1], 12), Request(long_prompt, 8)])         # and the longest prompt beside one
     assert served.count == 0
-    fresh = Batcher(eng, 3, 128, disable_by_batch_size=disable_by_batch_size)
+    fresh = Batcher(eng, 3, 128, **kw)
     assert short[0].tokens == fresh.run([Request(ps[0], 6)])[0].tokens
     assert all(len(r.tokens) == 30 for r in many)
 
@@ -67,16 +72,24 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
     b = Batcher(eng, 8, 1024)
     shapes = warmup.program_shapes(b, (warmup.GREEDY, warmup.API_DEFAULT))
-    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; spans 64..512 and all
+    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024 with rows x bucket <= 2048 (the default
+    # max_num_batched_tokens); spans 64..512 and all
     assert {s.rows for s in shapes} == {1, 2, 4, 8}
     assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
+    assert max(s.rows * s.length for s in shapes if s.kind == "prefill") == 2048
     assert {s.length for s in shapes if s.kind == "step"} == {64, 128, 256, 512, None}
-    assert len(shapes) == 2 * 4 * (7 + 5)
+    assert len(shapes) == 2 * ((7 + 7 + 6 + 5) + 4 * 5)
     costs = [s.cost(1024) for s in shapes]
     assert costs == sorted(costs)
     assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, warmup.GREEDY)
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
+    # a 256-token budget: first chunks up to 256 tokens, later chunks of a longer prompt at one
+    # offset per span bucket past the first chunk's (512 at offset 256, all positions from 512)
+    chunked = warmup.program_shapes(Batcher(eng, 8, 1024, max_num_batched_tokens=256))
+    prefills = [s for s in chunked if s.kind == "prefill"]
+    assert max(s.rows * s.length for s in prefills) == 256
+    assert {(s.rows, s.length, s.offset) for s in prefills if s.offset} == {(1, 256, 256), (1, 256, 512)}
 
 
 def test_compilation_cache_dir_flag_then_environment_then_default(monkeypatch, tmp_path):
