@@ -94,6 +94,8 @@ def test_chunked_prefill_equals_whole_prompt(family, t):
     assert len(req.tokens) == 20 and req.tokens == whole_req.tokens
 
 
+# the scheduling does not depend on the family (the k3 family's compilations are the slow ones)
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_running_stream_advances_at_every_step_while_a_long_prompt_goes_in(family):
     """A stream decoding in slot 0; a 100-token prompt arrives with short ones behind it. Every step
     runs one prefill call of at most BUDGET tokens and then the decode step: the stream gets
