@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from dspark_jax.engine_config import MAX_NUM_BATCHED_TOKENS
 from dspark_jax.generate import RequestOutput, generate
 from dspark_jax.stats import SpecStats
 
@@ -32,12 +31,12 @@ class AcceptanceRun:
 def measure_acceptance(target, draft, prompts: Sequence[Any], *, max_new_tokens: int,
                        num_speculative_tokens: int = 7, batch_size: int = 8, temperature: float = 0.0,
                        seed: int = 0, engine=None, tokenizer=None, max_model_len: int | None = None,
-                       max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+                       max_num_batched_tokens: int | None = None,
                        on_batch: Callable[[int, AcceptanceRun], None] | None = None) -> AcceptanceRun:
     """Generate for `prompts` (strings, conversations or token ids; chat template on) in batches of
     `batch_size` and collect the statistics: greedy at `temperature` 0 (else sampled, the draws
     from `seed` per batch). `engine`: a kept `Engine` whose compiled programs are reused (its T is
-    `num_speculative_tokens`). `max_num_batched_tokens`: prompt tokens prefilled per engine step.
+    `num_speculative_tokens`). `max_num_batched_tokens`: prompt tokens prefilled per engine step (None: whole prompts).
     `on_batch(done, run)` is called after every batch."""
     run = AcceptanceRun()
     for i in range(0, len(prompts), batch_size):

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from dspark_jax.engine import Engine, sampling_key
-from dspark_jax.engine_config import MAX_NUM_BATCHED_TOKENS
 from dspark_jax.errors import RequestError
 from dspark_jax.schedule import verify_lengths
 from dspark_jax.stats import SpecStats
@@ -68,14 +67,17 @@ class Batcher:
     Prefill calls take one of two forms (few compiled programs): the first chunks of newly admitted
     prompts of one sampling setting, rows x chunk bucket <= the budget, each prompt's first
     `max_num_batched_tokens` tokens; or the next chunk of the one prompt longer than that, alone,
-    at the full chunk width, continuing from the KDA state and cache rows its slot holds."""
+    at the full chunk width, continuing from the KDA state and cache rows its slot holds.
+    `max_num_batched_tokens=None`: no bound, whole prompts, every admitted one in one call (offline
+    batches: `generate()`, answer generation, where no stream waits and admitting all at once
+    gives the widest decode steps)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
                  disable_by_batch_size: int | None = None,
-                 max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int | None = None):
         if max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise RequestError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
         if disable_by_batch_size is not None and disable_by_batch_size < 1:
@@ -223,6 +225,8 @@ class Batcher:
         longer than the budget therefore goes in alone, and is the only one part-way through."""
         budget = self.max_num_batched_tokens
         head = self.filling[0]
+        if budget is None:
+            return [(r, len(r.prompt)) for r in self.filling if r.sampling == head.sampling]
         chunks = [(head, min(len(head.prompt) - head.prefilled, budget))]
         if head.prefilled:
             return chunks
@@ -359,10 +363,10 @@ def batch_bucket(n: int, num_slots: int) -> int:
     return min(pow2(n), num_slots)
 
 
-def chunk_bucket(n: int, budget: int) -> int:
+def chunk_bucket(n: int, budget: int | None) -> int:
     """Width of a prefill call whose longest chunk is n <= budget tokens: its prompt bucket, at
-    most the budget."""
-    return min(prefill_bucket(n), budget)
+    most the budget (None: no bound)."""
+    return prefill_bucket(n) if budget is None else min(prefill_bucket(n), budget)
 
 
 def prefill_bucket(n: int) -> int:

@@ -48,8 +48,9 @@ class EngineConfig:
     # applies it (the compiled programs do not depend on it)
     disable_by_batch_size: int | None = None
     # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
-    # the decode steps of the running sequences (the Batcher applies it)
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    # the decode steps of the running sequences (the Batcher applies it). None: no bound, whole
+    # prompts all at once (offline batches, `generate()`'s default)
+    max_num_batched_tokens: int | None = MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self):
         self.validate()
@@ -68,7 +69,7 @@ class EngineConfig:
             raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise RequestError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise RequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
             raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "

@@ -17,7 +17,7 @@ import numpy as np
 
 from dspark_jax.batcher import Batcher, Request, pow2
 from dspark_jax.engine import Engine, sampling_key
-from dspark_jax.engine_config import MAX_NUM_BATCHED_TOKENS, EngineConfig
+from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
 from dspark_jax.schedule import VerifyCost
@@ -47,7 +47,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              page_size: int = 16, engine: Engine | None = None, proposer=None,
              confidence_schedule: bool | VerifyCost = False,
              speculative_disable_by_batch_size: int | None = None,
-             max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, dtype="auto") -> GenerateResult:
+             max_num_batched_tokens: int | None = None, dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -61,7 +61,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     `speculative_disable_by_batch_size=N`: steps over N or more sequences run without drafts (where
     a wide verify is compute-bound, e.g. a CPU at batch 8; docs/profile.md); output is unchanged.
     `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
-    by chunk; output is unchanged).
+    by chunk, between the decode steps of those already in; output is unchanged); None (the
+    default): every prompt whole, all in one prefill (the server's default is 2048).
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -134,7 +135,7 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     # part of what a compiled engine is; slots, capacity, when to speculate and the prefill chunk
     # are the batcher's
     programs = config.replace(max_num_seqs=1, max_model_len=None, disable_by_batch_size=None,
-                              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+                              max_num_batched_tokens=None)
     key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:

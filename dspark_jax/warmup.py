@@ -68,14 +68,16 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     # the rows a bucket holds: more than the bucket below it, up to itself
     held = {b: range((buckets[i - 1] if i else 0) + 1, b + 1) for i, b in enumerate(buckets)}
     longest_prompt = max_len - t - 1
-    budget = batcher.max_num_batched_tokens
-    longest_chunk = min(longest_prompt, budget)
+    budget = batcher.max_num_batched_tokens           # None: whole prompts, any rows
+    longest_chunk = longest_prompt if budget is None else min(longest_prompt, budget)
     chunks = sorted({chunk_bucket(n, budget) for n in [1] + [1 << k for k in range(longest_chunk.bit_length())]
                      + [longest_chunk]})
     # a prompt longer than the budget: its later chunks (one row, full width) at offsets k x budget,
     # one program per span bucket they reach beyond the first chunk's
-    later = {batcher._span(o + budget): o for o in reversed(range(budget, longest_prompt, budget))}
-    later.pop(batcher._span(budget), None)
+    later = {}
+    if budget is not None:
+        later = {batcher._span(o + budget): o for o in reversed(range(budget, longest_prompt, budget))}
+        later.pop(batcher._span(budget), None)
     spans = list(dict.fromkeys(batcher._span(n) for n in
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     off = batcher.disable_by_batch_size
@@ -83,7 +85,8 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     out = []
     for sampling in samplings:
         for b in buckets:
-            out += [ProgramShape("prefill", b, c, sampling) for c in chunks if b == 1 or b * c <= budget]
+            out += [ProgramShape("prefill", b, c, sampling) for c in chunks
+                    if budget is None or b == 1 or b * c <= budget]
             if b == 1:
                 out += [ProgramShape("prefill", 1, budget, sampling, offset=o) for o in later.values()]
             widths: list[int | None] = []

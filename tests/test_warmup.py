@@ -41,7 +41,7 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-@pytest.mark.parametrize("disable_by_batch_size,budget", [(None, 2048), (2, 2048), (None, 32)])
+@pytest.mark.parametrize("disable_by_batch_size,budget", [(None, None), (2, None), (None, 32)])
 def test_after_warm_up_requests_compile_nothing(pair, disable_by_batch_size, budget):
     """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
     64, 96 reach two span buckets), short ones several to a call."""
@@ -72,23 +72,23 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
     b = Batcher(eng, 8, 1024)
     shapes = warmup.program_shapes(b, (warmup.GREEDY, warmup.API_DEFAULT))
-    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024 with rows x bucket <= 2048 (the default
-    # max_num_batched_tokens); spans 64..512 and all
+    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; spans 64..512 and all
     assert {s.rows for s in shapes} == {1, 2, 4, 8}
     assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
-    assert max(s.rows * s.length for s in shapes if s.kind == "prefill") == 2048
     assert {s.length for s in shapes if s.kind == "step"} == {64, 128, 256, 512, None}
-    assert len(shapes) == 2 * ((7 + 7 + 6 + 5) + 4 * 5)
+    assert len(shapes) == 2 * 4 * (7 + 5)
     costs = [s.cost(1024) for s in shapes]
     assert costs == sorted(costs)
     assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, warmup.GREEDY)
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
-    # a 256-token budget: first chunks up to 256 tokens, later chunks of a longer prompt at one
-    # offset per span bucket past the first chunk's (512 at offset 256, all positions from 512)
+    # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a
+    # longer prompt at one offset per span bucket past the first chunk's (512 at offset 256, all
+    # positions from 512)
     chunked = warmup.program_shapes(Batcher(eng, 8, 1024, max_num_batched_tokens=256))
     prefills = [s for s in chunked if s.kind == "prefill"]
     assert max(s.rows * s.length for s in prefills) == 256
+    assert len(prefills) == (5 + 4 + 3 + 2) + 2          # chunk buckets 16..256 by rows 1, 2, 4, 8
     assert {(s.rows, s.length, s.offset) for s in prefills if s.offset} == {(1, 256, 256), (1, 256, 512)}
 
 
