@@ -31,19 +31,21 @@ class AcceptanceRun:
 def measure_acceptance(target, draft, prompts: Sequence[Any], *, max_new_tokens: int,
                        num_speculative_tokens: int = 7, batch_size: int = 8, temperature: float = 0.0,
                        seed: int = 0, engine=None, tokenizer=None, max_model_len: int | None = None,
+                       max_num_batched_tokens: int | None = None,
                        on_batch: Callable[[int, AcceptanceRun], None] | None = None) -> AcceptanceRun:
     """Generate for `prompts` (strings, conversations or token ids; chat template on) in batches of
     `batch_size` and collect the statistics: greedy at `temperature` 0 (else sampled, the draws
     from `seed` per batch). `engine`: a kept `Engine` whose compiled programs are reused (its T is
     `num_speculative_tokens`). Every step verifies all T drafts (`speculative_length="fixed"`):
     acceptance is a property of the draft at T, not of how a host's costs would shorten the
-    steps. `on_batch(done, run)` is called after every batch."""
+    steps. `max_num_batched_tokens`: prompt tokens prefilled per engine step (None: whole prompts).
+    `on_batch(done, run)` is called after every batch."""
     run = AcceptanceRun()
     for i in range(0, len(prompts), batch_size):
         res = generate(target, draft, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
                        num_speculative_tokens=num_speculative_tokens, temperature=temperature, seed=seed,
                        engine=engine, tokenizer=tokenizer, max_model_len=max_model_len,
-                       speculative_length="fixed")
+                       speculative_length="fixed", max_num_batched_tokens=max_num_batched_tokens)
         for out in res.outputs:
             stats = SpecStats.from_dict(out.stats)
             run.outputs.append(out)

@@ -2,8 +2,11 @@
 server, the benchmark and answer generation drive.
 
 `Request` is one sequence (its prompt, limits, sampling and what it produced); `Batcher` admits
-waiting requests into free slots (one prefill of just the new rows), then runs one propose/verify
-`Engine.step` over the running sequences and hands the emitted tokens back.
+waiting requests into free slots, runs at most one prefill call of at most
+`max_num_batched_tokens` prompt tokens (a long prompt goes in chunk by chunk over several steps,
+holding its slot meanwhile), then runs one propose/verify `Engine.step` over the sequences whose
+prompt is in and hands the emitted tokens back. So a long prompt stalls the running streams for
+one chunk at a time, not for its whole prefill.
 
 Every program call computes only the rows it needs, padded to a batch bucket (1, 2, 4, ... up to
 the slot count; `batch_bucket`), over the positions its longest row can reach, bucketed too
@@ -57,6 +60,7 @@ class Request:
     finish_reason: str | None = None       # "stop", "length" or "abort" once finished
     stats: SpecStats | None = None
     slot: int | None = None
+    prefilled: int = 0                     # prompt tokens already in the cache (chunked prefill)
 
     @property
     def sampling(self) -> tuple[float, float]:
@@ -66,15 +70,29 @@ class Request:
 class Batcher:
     """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
 
-    Each `step()` admits waiting requests into free slots (one prefill of just the new rows; the
-    other slots' caches are untouched) and then runs one propose/verify step over the running
-    slots of one sampling setting (the others go next, round robin), padded to a batch bucket. Finished or aborted requests free their slot at
-    once. `generate()`, the HTTP server and the benchmark all drive this loop."""
+    Each `step()` admits waiting requests into free slots, runs one prefill call of at most
+    `max_num_batched_tokens` padded prompt tokens over the admitted requests whose prompt is not
+    yet in (just their rows; the other slots' caches are untouched), and then one propose/verify
+    step over the decoding slots of one sampling setting (the others go next, round robin), padded
+    to a batch bucket. Finished or aborted requests free their slot at once. `generate()`, the
+    HTTP server and the benchmark all drive this loop.
+
+    Prefill calls take one of two forms (few compiled programs): the first chunks of newly admitted
+    prompts of one sampling setting, rows x chunk bucket <= the budget, each prompt's first
+    `max_num_batched_tokens` tokens; or the next chunk of the one prompt longer than that, alone,
+    at the full chunk width, continuing from the KDA state and cache rows its slot holds.
+    `max_num_batched_tokens=None`: no bound, whole prompts, every admitted one in one call (offline
+    batches: `generate()`, answer generation, where no stream waits and admitting all at once
+    gives the widest decode steps)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
-                 speculative_length: str = "adaptive", step_costs: StepCosts | None = None):
+                 speculative_length: str = "adaptive", step_costs: StepCosts | None = None,
+                 max_num_batched_tokens: int | None = None):
         if max_num_seqs < 1:
             raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise RequestError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         if speculative_length not in SPECULATIVE_LENGTHS:
             raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
                                f"got {speculative_length!r}")
@@ -88,6 +106,9 @@ class Batcher:
         self.lens = np.zeros(max_num_seqs, np.int32)       # tokens in the cache (= next position)
         self.x0 = np.zeros(max_num_seqs, np.int32)         # last emitted token, the next anchor
         self.waiting: collections.deque[Request] = collections.deque()
+        # admitted, holding a slot, prompt not yet whole in the cache (admission order); only the
+        # first can be part-way through (`_next_chunks`)
+        self.filling: list[Request] = []
         self.stats = SpecStats(engine.t)                   # cumulative over every request
         self.num_steps = 0                                 # verify/decode steps run
         self.proposer = proposer
@@ -150,7 +171,8 @@ class Batcher:
 
     @property
     def num_running(self) -> int:
-        return sum(s is not None for s in self.slots)
+        """Requests holding a slot (decoding, or their prompt going in)."""
+        return sum(s is not None for s in self.slots) + len(self.filling)
 
     @property
     def num_waiting(self) -> int:
@@ -179,11 +201,11 @@ class Batcher:
         """Drop a request (waiting or running); its slot is free for the next step."""
         if req.finish_reason is not None:
             return
-        req.finish_reason = "abort"
         if req.slot is not None:
-            self.slots[req.slot] = None
-            req.slot = None
-        elif req in self.waiting:
+            self._finish(req, "abort")
+            return
+        req.finish_reason = "abort"
+        if req in self.waiting:
             self.waiting.remove(req)
 
     def run(self, reqs: Sequence[Request]) -> list[Request]:
@@ -204,7 +226,7 @@ class Batcher:
                 if r not in touched:
                     touched.append(r)
         except Exception:
-            for r in self.slots:
+            for r in [*self.slots, *self.filling]:
                 if r is not None:
                     self._finish(r, "abort")
             self.caches = self.engine.new_caches(self.num_slots, self.max_len)
@@ -226,29 +248,61 @@ class Batcher:
         return self._keys.popleft()
 
     def _admit(self) -> list[Request]:
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        new: list[Request] = []
+        """Admit waiting requests into free slots, then run at most one prefill call
+        (`_next_chunks`). Returns the requests whose prompt is now whole in the cache (each has
+        its first token)."""
+        held = {r.slot for r in self.filling}
+        free = [i for i, s in enumerate(self.slots) if s is None and i not in held]
         while free and self.waiting:
             req = self.waiting.popleft()
-            req.slot = free.pop(0)
-            self.slots[req.slot] = req
-            new.append(req)
-        groups: dict[tuple[float, float], list[Request]] = {}
-        for r in new:
-            groups.setdefault(r.sampling, []).append(r)
-        for (temperature, top_p), reqs in groups.items():
-            rows = self.batch_rows([r.slot for r in reqs])
-            tokens = np.zeros((len(rows), prefill_bucket(max(len(r.prompt) for r in reqs))), np.int32)
-            lens = np.zeros(len(rows), np.int32)
-            for j, r in enumerate(reqs):
-                tokens[j, :len(r.prompt)] = r.prompt
-                lens[j] = len(r.prompt)
-            first = self.run_prefill(tokens, lens, rows, temperature, top_p)
-            for j, r in enumerate(reqs):
-                self.lens[r.slot], self.x0[r.slot] = lens[j], first[j]
-                r.tokens.append(int(first[j]))
-                self._maybe_finish(r)
-        return new
+            req.slot, req.prefilled = free.pop(0), 0
+            self.filling.append(req)
+        if not self.filling:
+            return []
+        chunks = self._next_chunks()
+        head = chunks[0][0]
+        budget = self.max_num_batched_tokens
+        width = budget if head.prefilled else chunk_bucket(max(n for _, n in chunks), budget)
+        rows = self.batch_rows([r.slot for r, _ in chunks])
+        tokens = np.zeros((len(rows), width), np.int32)
+        lens, starts = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
+        for j, (r, n) in enumerate(chunks):
+            tokens[j, :n] = r.prompt[r.prefilled:r.prefilled + n]
+            lens[j], starts[j] = n, r.prefilled
+        first = self.run_prefill(tokens, lens, rows, *head.sampling, starts)
+        done = []
+        for j, (r, n) in enumerate(chunks):
+            r.prefilled += n
+            if r.prefilled < len(r.prompt):
+                continue                       # its next chunk runs in the next step
+            self.filling.remove(r)
+            self.slots[r.slot] = r
+            self.lens[r.slot], self.x0[r.slot] = r.prefilled, first[j]
+            r.tokens.append(int(first[j]))
+            self._maybe_finish(r)
+            done.append(r)
+        return done
+
+    def _next_chunks(self) -> list[tuple[Request, int]]:
+        """(request, tokens) of the next prefill call: the oldest admitted request's next chunk;
+        when that is a first chunk, the first chunks of newer requests of its sampling setting
+        beside it while rows (batch bucket) x chunk bucket stays within the budget. A prompt
+        longer than the budget therefore goes in alone, and is the only one part-way through."""
+        budget = self.max_num_batched_tokens
+        head = self.filling[0]
+        if budget is None:
+            return [(r, len(r.prompt)) for r in self.filling if r.sampling == head.sampling]
+        chunks = [(head, min(len(head.prompt) - head.prefilled, budget))]
+        if head.prefilled:
+            return chunks
+        for r in self.filling[1:]:
+            n = min(len(r.prompt), budget)
+            if r.sampling != head.sampling:
+                continue
+            width = chunk_bucket(max(n, *(c for _, c in chunks)), budget)
+            if batch_bucket(len(chunks) + 1, self.num_slots) * width <= budget:
+                chunks.append((r, n))
+        return chunks
 
     def _decode(self) -> list[Request]:
         running = [s for s in self.slots if s is not None]
@@ -307,12 +361,15 @@ class Batcher:
         return rows
 
     def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, temperature: float,
-                    top_p: float) -> np.ndarray:
-        """One prefill call (rows past the prompts: slot = number of slots, length 0); the first
-        tokens. The warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
+                    top_p: float, starts_P: np.ndarray | None = None) -> np.ndarray:
+        """One prefill call of prompt chunks at positions `starts_P`.. (None: 0; rows past the
+        prompts: slot = number of slots, length 0); the tokens sampled after each chunk. The
+        warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
+        if starts_P is None:
+            starts_P = np.zeros(len(lens_P), np.int32)
+        span = self._span(int(starts_P.max()) + tokens_PS.shape[1])
         first, self.caches = self.engine.prefill(tokens_PS, lens_P, slots_P, self.caches, self._next_key(),
-                                                 temperature=temperature, top_p=top_p,
-                                                 span=self._span(tokens_PS.shape[1]))
+                                                 starts_P=starts_P, temperature=temperature, top_p=top_p, span=span)
         return np.asarray(first)
 
     def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int, span: int | None,
@@ -350,7 +407,10 @@ class Batcher:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
-        self.slots[r.slot] = None
+        if r in self.filling:
+            self.filling.remove(r)
+        else:
+            self.slots[r.slot] = None
         r.slot = None
 
 
@@ -362,6 +422,12 @@ def pow2(n: int) -> int:
 def batch_bucket(n: int, num_slots: int) -> int:
     """Rows of a program call over n sequences: powers of two, capped at the slot count."""
     return min(pow2(n), num_slots)
+
+
+def chunk_bucket(n: int, budget: int | None) -> int:
+    """Width of a prefill call whose longest chunk is n <= budget tokens: its prompt bucket, at
+    most the budget (None: no bound)."""
+    return prefill_bucket(n) if budget is None else min(prefill_bucket(n), budget)
 
 
 def prefill_bucket(n: int) -> int:

@@ -1,7 +1,8 @@
 """The engine: a (target, draft) pair split for jit, and its three compiled programs over `steps.py`.
 
-- `prefill`: new sequences' prompts into their cache slots (only the new rows run), the first
-  token sampled, the draft's context rows written.
+- `prefill`: new sequences' prompts, or chunks of them at their offsets, into their cache slots
+  (only these rows run; a later chunk continues from the KDA state and attends to the rows the
+  earlier chunks wrote), the first token sampled, the draft's context rows written.
 - `propose`: the draft's block pass alone (profiling and the deployment plan time it apart).
 - `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_L]` in one target forward
   (L = `width`, T by default; the block is always drafted whole, its attention being bidirectional),
@@ -129,10 +130,10 @@ class Engine:
         self._d_state = state
         self._d_leaves, self._d_def = jax.tree.flatten(state) if state is not None else (None, None)
 
-    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **static):
+    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **kw):
         """(first tokens [P], caches): see `prefill_fn`."""
         return self._call(self.prefill_jit, self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
-                          serving=self.serving, **static)
+                          serving=self.serving, **kw)
 
     def propose(self, x0_B, lens_B, caches: TargetCaches, key, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
@@ -224,22 +225,35 @@ class Engine:
         draft = nnx.merge(self.d_graph, d_state) if self.d_graph is not None else None
         return target, draft
 
-    def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, serving=None,
-                      temperature: float | None = None, top_p: float | None = None, span: int | None = None):
-        """Prefill P new sequences into cache slots `slots_P` (padding rows: slot = number of slots,
-        length 0) while the other slots keep their state: only the new rows run. They see the
-        pool through their own block-table rows (cut to `span`), start from zero KDA state
-        (whatever the slot held before) and their new KDA states are scattered back into their slots."""
+    def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, starts_P=None, serving=None,
+                   temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+        """Prefill P sequences' prompt chunks into cache slots `slots_P` (padding rows: slot =
+        number of slots, length 0) while the other slots keep their state: only these rows run.
+        Row p holds `lens_P[p]` tokens at positions `starts_P[p]`.. (None: every row from 0, a
+        whole prompt). A row starting at 0 starts from zero KDA state (whatever the slot held
+        before); a later chunk continues from the state its slot holds, and attends to the rows
+        the earlier chunks wrote. The rows see the pool through their own block-table rows (cut to
+        `span`, which must cover every start + S); their new KDA states are scattered back into
+        their slots. The token sampled after a row's last token is its first generated token
+        when the chunk ends the prompt (meaningless otherwise)."""
         target, draft = self.merge(t_state, d_state)
         temperature, top_p = self._sampling(temperature, top_p)
         p, s = tokens_PS.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
-        valid = positions < lens_P[:, None]
+        if starts_P is not None:
+            positions = positions + starts_P[:, None]
+        valid = jnp.arange(s, dtype=jnp.int32)[None] < lens_P[:, None]
         full_table = caches.pool.block_table
         table = rows_table(caches.pool, slots_P, span)
-        sub = TargetCaches(caches.pool._replace(block_table=table), target.new_kda_states(p, self.compute_dtype))
+        kda = target.new_kda_states(p, self.compute_dtype)
+        if kda is not None and starts_P is not None:
+            # a padding row reads a real slot's state (take clips): it is inactive and dropped by `put`
+            def go_on(held, zero):      # [n_kda, P, ...]
+                return jnp.where((starts_P > 0).reshape((1, p) + (1,) * (zero.ndim - 2)), held, zero)
+            kda = jax.tree.map(go_on, caches.kda.take(slots_P), kda)
+        sub = TargetCaches(caches.pool._replace(block_table=table), kda)
         last_P = jnp.maximum(lens_P - 1, 0)
-        # the lm_head on the last prompt row alone, not on all S rows
+        # the lm_head on the last row of the chunk alone, not on all S rows
         out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False,
                                            weights=serving, logits_rows_BR=last_P[:, None])
         first = sample_tokens(out.logits[:, 0], temperature, top_p, key)

@@ -21,6 +21,12 @@ from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
+# Prompt tokens one prefill call computes per engine step (vLLM's name; its default for online
+# serving). It bounds how long a long prompt stalls the running streams (one chunk per step, not
+# the whole prompt) and the prefill program's activation memory (a whole 16K-token prompt does not
+# fit Kimi-K3 on 8 x 288 GB); larger chunks amortise the weight reads of a prefill better.
+MAX_NUM_BATCHED_TOKENS = 2048
+
 
 # --dtype of the entry points (serving.pair.resolve_dtype): the compute dtype the pair is loaded in
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "auto")
@@ -44,6 +50,10 @@ class EngineConfig:
     # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
     # spec_length.costs_for); compared by identity
     step_costs: StepCosts | None = None
+    # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
+    # the decode steps of the running sequences (the Batcher applies it). None: no bound, whole
+    # prompts all at once (offline batches, `generate()`'s default)
+    max_num_batched_tokens: int | None = MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self):
         self.validate()
@@ -63,6 +73,8 @@ class EngineConfig:
         if self.speculative_length not in SPECULATIVE_LENGTHS:
             raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
                                f"got {self.speculative_length!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise RequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
             raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
                                f"step of {self.num_speculative_tokens + 1}")
@@ -91,7 +103,8 @@ class EngineConfig:
 
 def define_flags(flag_values=None, **defaults) -> None:
     """Declare --num_speculative_tokens, --kv_cache_dtype, --block_size, --max_num_seqs,
-    --max_model_len (ATOM's names) and --speculative_length. `defaults`
+    --max_model_len (ATOM's names), --speculative_length and --max_num_batched_tokens (vLLM's).
+    `defaults`
     overrides a default where a program's purpose differs (serve.plan plans Kimi-K3 deployments at
     ATOM's page size and context)."""
     from absl import flags
@@ -100,7 +113,7 @@ def define_flags(flag_values=None, **defaults) -> None:
     base = EngineConfig()
     d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
              block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len,
-             speculative_length=base.speculative_length)
+             speculative_length=base.speculative_length, max_num_batched_tokens=base.max_num_batched_tokens)
     unknown = set(defaults) - set(d)
     if unknown:
         raise ValueError(f"unknown engine flags {sorted(unknown)}")
@@ -122,6 +135,11 @@ def define_flags(flag_values=None, **defaults) -> None:
                       "adaptive: each step verifies the L in 0..T of most expected tokens/s, from the measured "
                       "acceptance and step costs (measured once per host, model and dtype, cached beside the "
                       "compilation cache); fixed: always T.", flag_values=fv)
+    flags.DEFINE_integer("max_num_batched_tokens", d["max_num_batched_tokens"],
+                         "Prompt tokens prefilled per engine step: a longer prompt goes in chunk by chunk between "
+                         "the running sequences' decode steps, so it stalls them for one chunk at a time; it also "
+                         "bounds the prefill's activation memory (vLLM's online-serving default).",
+                         lower_bound=1, flag_values=fv)
 
 
 def from_flags(flag_values=None) -> EngineConfig:
@@ -131,4 +149,4 @@ def from_flags(flag_values=None) -> EngineConfig:
     fv = flag_values or flags.FLAGS
     return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
                         page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
-                        speculative_length=fv.speculative_length)
+                        speculative_length=fv.speculative_length, max_num_batched_tokens=fv.max_num_batched_tokens)

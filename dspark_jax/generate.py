@@ -46,7 +46,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
              speculative_length: str = "adaptive", step_costs: StepCosts | None = None,
-             dtype="auto") -> GenerateResult:
+             max_num_batched_tokens: int | None = None, dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -60,6 +60,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     measured on the host it runs on (the first call at a new batch size measures them, once per host, model
     and dtype; docs/profile.md); `"fixed"` always verifies T. `step_costs`: a `StepCosts` to use
     instead of measured ones. Output is the same either way.
+    `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
+    by chunk, between the decode steps of those already in; output is unchanged); None (the
+    default): every prompt whole, all in one prefill (the server's default is 2048).
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -70,7 +73,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
         draft = load_draft(draft, dtype=target.dtype)
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype,
                           page_size=page_size, max_model_len=max_model_len, speculative_length=speculative_length,
-                          step_costs=step_costs)
+                          step_costs=step_costs, max_num_batched_tokens=max_num_batched_tokens)
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
@@ -104,7 +107,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if engine is None:
         engine = engine_for(target, draft, config, temperature, top_p)
     batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
-                      speculative_length=config.speculative_length, step_costs=config.step_costs)
+                      speculative_length=config.speculative_length, step_costs=config.step_costs,
+                      max_num_batched_tokens=config.max_num_batched_tokens)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
@@ -124,9 +128,11 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     benchmarks) reuse its compiled programs."""
     per_target = _ENGINES.setdefault(target, {})
     # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
-    # part of what a compiled engine is; slots, capacity and the speculation length are the batcher's
-    # (fixed and adaptive calls share the engine: its programs and its measured acceptance)
-    programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None)
+    # part of what a compiled engine is; slots, capacity, the speculation length and the prefill
+    # chunk are the batcher's (fixed and adaptive calls share the engine: its programs and its
+    # measured acceptance)
+    programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None,
+                              max_num_batched_tokens=None)
     key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:

@@ -1,8 +1,10 @@
 """Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
 
 `program_shapes` lists every (program, rows, length) shape a batcher can call for some sampling
-settings: prefill per batch bucket x prompt bucket, the decode step per batch bucket x span bucket
-x speculation length the batcher can choose (`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
+settings: prefill per batch bucket x chunk bucket within `max_num_batched_tokens` (first chunks),
+and one full-width chunk per span bucket a longer prompt's later chunks reach (`Batcher._next_chunks`),
+the decode step per batch bucket x span bucket x speculation length the batcher can choose
+(`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
 through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
 padding rows only, nothing run), so they land in jit's cache as a request would call them; a cap
 keeps the start-up bounded (the shapes past it are the largest, rarest ones).
@@ -26,7 +28,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.batcher import Batcher, batch_bucket, prefill_bucket
+from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
 
 log = logging.getLogger("dspark_jax")
 
@@ -37,21 +39,23 @@ API_DEFAULT = (1.0, 1.0)                  # OpenAI's temperature/top_p when a re
 
 @dataclass(frozen=True)
 class ProgramShape:
-    """One compiled program a batcher can call. `length`: the prompt bucket (prefill) or the span
+    """One compiled program a batcher can call. `length`: the chunk bucket (prefill) or the span
     bucket (steps; None: every position); `width`: drafts verified (None: the engine's T; 0 with a
-    T > 0 engine: a one-token step; else a shorter speculation length)."""
+    T > 0 engine: a one-token step; else a shorter speculation length); `offset`: a later chunk's
+    first position (its span bucket covers offset + length)."""
 
     kind: str                      # "prefill" or "step"
     rows: int
     length: int | None
     sampling: tuple[float, float]
     width: int | None = None
+    offset: int = 0
 
     def cost(self, max_len: int) -> int:
-        return self.rows * (self.length or max_len)
+        return self.rows * ((self.length or max_len) + self.offset)
 
     def __str__(self) -> str:
-        what = f"{self.kind} {self.rows}x{self.length or 'all'}"
+        what = f"{self.kind} {self.rows}x{self.length or 'all'}" + (f" at {self.offset}" if self.offset else "")
         if self.width is not None:
             what += f" width {self.width}"
         return what + ("" if self.sampling == GREEDY else f" T={self.sampling[0]:g}/p={self.sampling[1]:g}")
@@ -63,15 +67,26 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
     slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
     buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
     longest_prompt = max_len - t - 1
-    prompts = sorted({prefill_bucket(n) for n in [1] + [1 << k for k in range(longest_prompt.bit_length())]
-                      + [longest_prompt]})
+    budget = batcher.max_num_batched_tokens           # None: whole prompts, any rows
+    longest_chunk = longest_prompt if budget is None else min(longest_prompt, budget)
+    chunks = sorted({chunk_bucket(n, budget) for n in [1] + [1 << k for k in range(longest_chunk.bit_length())]
+                     + [longest_chunk]})
+    # a prompt longer than the budget: its later chunks (one row, full width) at offsets k x budget,
+    # one program per span bucket they reach beyond the first chunk's
+    later = {}
+    if budget is not None:
+        later = {batcher._span(o + budget): o for o in reversed(range(budget, longest_prompt, budget))}
+        later.pop(batcher._span(budget), None)
     spans = list(dict.fromkeys(batcher._span(n) for n in
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     widths = [None if n == t else n for n in batcher.reachable_lengths()]
     out = []
     for sampling in samplings:
         for b in buckets:
-            out += [ProgramShape("prefill", b, s, sampling) for s in prompts]
+            out += [ProgramShape("prefill", b, c, sampling) for c in chunks
+                    if budget is None or b == 1 or b * c <= budget]
+            if b == 1:
+                out += [ProgramShape("prefill", 1, budget, sampling, offset=o) for o in later.values()]
             out += [ProgramShape("step", b, span, sampling, w) for span in spans for w in widths]
     order = {s: i for i, s in enumerate(samplings)}
     return sorted(out, key=lambda p: (p.cost(max_len), order[p.sampling], p.kind, p.width or 0))
@@ -112,7 +127,8 @@ def _call(batcher: Batcher, shape: ProgramShape) -> None:
     zeros = np.zeros(shape.rows, np.int32)
     temperature, top_p = shape.sampling
     if shape.kind == "prefill":
-        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
+        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p,
+                            np.full(shape.rows, shape.offset, np.int32))
         return
     drafts = None
     if batcher.proposer is not None and batcher.engine.t:

@@ -55,7 +55,8 @@ def main(argv) -> None:
                    num_speculative_tokens=config.num_speculative_tokens, stop=FLAGS.stop, seed=FLAGS.seed,
                    chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=config.max_model_len,
                    kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
-                   speculative_length=config.speculative_length)
+                   speculative_length=config.speculative_length,
+                   max_num_batched_tokens=config.max_num_batched_tokens)
     if not primary:
         return
     out = res.outputs[0]

@@ -22,9 +22,9 @@ _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config na
 _DRAFT = flags.DEFINE_string("draft_config", "auto",
                              "Draft config (name, file or dir); 'auto': the packaged <config>-dspark if any; 'none'.")
 _DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the serving mesh (TP = EP = all of them).")
-_CHUNK = flags.DEFINE_integer("prefill_chunk", 4096, "Tokens of one sequence per prefill program.")
-# the serving flags of serve.server, at ATOM's page size and a K3 context (a plan is for a deployment)
-engine_config.define_flags(block_size=128, max_model_len=16384)
+# the serving flags of serve.server, at ATOM's page size and a K3 context (a plan is for a deployment);
+# --max_num_batched_tokens is the prefill program's chunk
+engine_config.define_flags(block_size=128, max_model_len=16384, max_num_batched_tokens=4096)
 _HBM = flags.DEFINE_float("hbm_gib", 288.0, "Memory per device in GiB (MI355X: 288).")
 _USABLE = flags.DEFINE_float("usable_fraction", 0.93, "Fraction of device memory the plan may use.")
 _PROGRAMS = flags.DEFINE_list("programs", ["prefill", "step", "propose"], "Programs to compile.")
@@ -40,7 +40,8 @@ def main(argv: list[str]) -> None:
     plan_lib.configure_cpu_devices(_DEVICES.value)
     logging.set_verbosity(logging.INFO)
     cfg, draft_cfg = plan_lib.load_plan_configs(_CONFIG.value, _DRAFT.value)
-    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, engine=config, prefill_chunk=_CHUNK.value)
+    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, engine=config,
+                                  prefill_chunk=config.max_num_batched_tokens)
     plan = plan_lib.build_plan(cfg, draft_cfg, shape, capacity_gib=_HBM.value, usable_fraction=_USABLE.value,
                                programs=_PROGRAMS.value, progress=logging.info)
     print("\n".join(plan_lib.format_plan(plan, plan_lib.plan_title(cfg, draft_cfg, _CONFIG.value))), flush=True)

@@ -82,7 +82,8 @@ def main(argv) -> None:
     for line in describe(pair, config, store_dtype=engine.store_dtype, pool=True):
         log.info(line)
     batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
-                      speculative_length=config.speculative_length)
+                      speculative_length=config.speculative_length,
+                      max_num_batched_tokens=config.max_num_batched_tokens)
     if FLAGS.warmup:
         warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, samplings=(warmup.GREEDY, warmup.API_DEFAULT),
                        progress=warmup.ProgressBar())

@@ -143,7 +143,7 @@ def _cli(tmp_path, *extra) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "serve.plan", "--config", str(tmp_path / "target.json"), "--draft_config",
          str(tmp_path / "draft.json"), "--num_devices", "8", "--max_model_len", "128", "--max_num_seqs", "2",
-         "--block_size", "16", "--prefill_chunk", "32", *extra],
+         "--block_size", "16", "--max_num_batched_tokens", "32", *extra],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -79,6 +79,8 @@ def server(pair_dirs, tmp_path_factory):
            "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
            "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1",
            "--max_request_bytes", str(MAX_REQUEST_BYTES), "--warmup_max_programs", "16",
+           # chat prompts (system prompt included) go in in two or three chunks; the replies equal generate()'s
+           "--max_num_batched_tokens", "32",
            "--compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache"))]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,

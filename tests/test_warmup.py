@@ -48,13 +48,15 @@ def _dear_at_two_rows(rows: int, n: int) -> float:
     return 1.0 if rows == 1 else 1.0 + 0.3 * n
 
 
-@pytest.mark.parametrize("speculative_length", ["fixed", "adaptive"])
-def test_after_warm_up_requests_compile_nothing(pair, speculative_length):
+@pytest.mark.parametrize("speculative_length,budget", [("fixed", 32), ("adaptive", None)])
+def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget):
+    """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
+    64, 96 reach two span buckets), short ones several to a call."""
     from dspark_jax.spec_length import StepCosts
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
     costs = StepCosts.of(_dear_at_two_rows)
-    kw = dict(speculative_length=speculative_length, step_costs=costs)
+    kw = dict(speculative_length=speculative_length, step_costs=costs, max_num_batched_tokens=budget)
     b = Batcher(eng, 3, 128, **kw)
     widths = {s.width for s in warmup.program_shapes(b) if s.kind == "step"}
     assert widths == ({None} if speculative_length == "fixed" else {0, 1, 3, None})
@@ -65,9 +67,11 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length):
     # padding rows only: the warm-up wrote nothing
     assert not np.asarray(b.caches.pool.pages).any()
     ps = prompts(4, target.cfg.vocab_size, seed=31, lo=3, hi=40)
+    long_prompt = prompts(1, target.cfg.vocab_size, seed=32, lo=110, hi=111)[0]
     with CompileCounter() as served:
         short = b.run([Request(ps[0], 6)])                           # a short request alone
         many = b.run([Request(p, 30) for p in ps])                   # then a batch, slots reused
+        b.run([Request(ps[1], 12), Request(long_prompt, 8)])         # and the longest prompt beside one
     if speculative_length == "fixed":
         assert served.count == 0
     else:
@@ -95,6 +99,14 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, warmup.GREEDY)
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
+    # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a
+    # longer prompt at one offset per span bucket past the first chunk's (512 at offset 256, all
+    # positions from 512)
+    chunked = warmup.program_shapes(Batcher(eng, 8, 1024, max_num_batched_tokens=256))
+    prefills = [s for s in chunked if s.kind == "prefill"]
+    assert max(s.rows * s.length for s in prefills) == 256
+    assert len(prefills) == (5 + 4 + 3 + 2) + 2          # chunk buckets 16..256 by rows 1, 2, 4, 8
+    assert {(s.rows, s.length, s.offset) for s in prefills if s.offset} == {(1, 256, 256), (1, 256, 512)}
 
 
 def test_compilation_cache_dir_flag_then_environment_then_default(monkeypatch, tmp_path):

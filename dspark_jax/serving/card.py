@@ -85,6 +85,7 @@ class Runner:
         self.engine = Engine(target, draft, config)
         self.target, self.draft = target, draft
         self.max_model_len = config.max_len_for(target)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.tokenizer, self.max_new_tokens, self.max_turns = tokenizer, max_new_tokens, max_turns
 
     def run_item(self, item: BenchItem, stats: SpecStats) -> dict:
@@ -95,7 +96,8 @@ class Runner:
             try:
                 run = measure_acceptance(self.target, self.draft, [ids], max_new_tokens=self.max_new_tokens,
                                          num_speculative_tokens=self.engine.t, batch_size=1, engine=self.engine,
-                                         tokenizer=self.tokenizer, max_model_len=self.max_model_len)
+                                         tokenizer=self.tokenizer, max_model_len=self.max_model_len,
+                                         max_num_batched_tokens=self.max_num_batched_tokens)
             except RequestError as e:
                 raise RequestError(f"{item.id}: {e} (raise --max_model_len)") from None
             out = run.outputs[0]

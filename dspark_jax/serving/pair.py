@@ -165,7 +165,7 @@ def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: b
         itemsize = jax.numpy.dtype(store_dtype or pair.target.dtype).itemsize
         nbytes = rows * max_num_seqs * max_model_len * width * itemsize
         cache += (f", {rows} rows x {max_num_seqs} slots x {max_model_len} positions x {width} wide "
-                  f"({nbytes / 2 ** 20:.1f} MiB)")
+                  f"({nbytes / 2 ** 20:.1f} MiB); prompts prefilled {config.max_num_batched_tokens} tokens per step")
     lines.append(cache)
     if pair.mesh is None:
         d = jax.local_devices()[0]
