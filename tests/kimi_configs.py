@@ -85,3 +85,11 @@ def write_k3_checkpoint(model, path: Path, config: dict, drop=None, extra=None, 
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def tiny_k3_tp_dict() -> dict:
+    """tiny K3 (every extension, MXFP4 experts) with 4 MLA and 4 KDA heads and 8 experts: a
+    tensor axis of 4 gives each device one head of each kind and 2 experts."""
+    return tiny_k3_dict(num_attention_heads=4, num_key_value_heads=4, linear_attn_config=dict(
+        head_dim=8, num_heads=4, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True,
+        kda_layers=[1, 2, 3], full_attn_layers=[4, 5]))
