@@ -116,9 +116,10 @@ def test_a_tensor_parallel_step_equals_one_device_in_float64(k3_dir):
 def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
     """train.regen's library path (generate() with continuous batching) on the --tp mesh: the
     same greedy answers as on one device (float32)."""
-    records = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": "qa"[i % 2] * (3 + 2 * i)}]}
-               for i in range(3)]
-    settings = regen.RegenSettings(target="tiny-k3", max_new_tokens=12, temperature=0.0, seed=0,
+    # two prompts of one length in one batch: few programs to compile per mesh
+    records = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": text}]}
+               for i, text in enumerate(("qqqq", "abcd"))]
+    settings = regen.RegenSettings(target="tiny-k3", max_new_tokens=8, temperature=0.0, seed=0,
                                    chat_template_sha256="x")
     answers = {}
     for name, tp in (("one", 1), ("tp", 4)):
@@ -127,7 +128,7 @@ def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
         out = tmp_path / f"{name}.jsonl"
         regen.regenerate(target, CharTokenizer(), records, out, settings=settings, batch_size=2)
         answers[name] = {r["id"]: r["answer_ids"] for r in regen.read_cache(out)}
-    assert answers["tp"] == answers["one"] and len(answers["one"]) == 3
+    assert answers["tp"] == answers["one"] and len(answers["one"]) == 2
     assert len({tuple(a) for a in answers["one"].values()}) > 1
 
 
