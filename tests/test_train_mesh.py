@@ -26,7 +26,7 @@ from dspark_jax.config import DraftConfig, KimiConfig, LlamaConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.train import loss as L
-from dspark_jax.train import regen
+from dspark_jax.train import regen, teacher
 from dspark_jax.train import trainer as T
 from dspark_jax.train.regen import Sample
 from dspark_jax.train.train_mesh import TEACHER_RULES, MeshError, check_target, training_mesh
@@ -114,22 +114,41 @@ def test_a_tensor_parallel_step_equals_one_device_in_float64(k3_dir):
 
 
 def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
-    """train.regen's library path (generate() with continuous batching) on the --tp mesh: the
-    same greedy answers as on one device (float32)."""
+    """train.regen's library path (generate() with continuous batching) on a --tp 4 --dp 2 mesh:
+    the same greedy answers as on one device (float32)."""
     # two prompts of one length in one batch: few programs to compile per mesh
     records = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": text}]}
                for i, text in enumerate(("qqqq", "abcd"))]
     settings = regen.RegenSettings(target="tiny-k3", max_new_tokens=8, temperature=0.0, seed=0,
                                    chat_template_sha256="x")
     answers = {}
-    for name, tp in (("one", 1), ("tp", 4)):
-        mesh = training_mesh(tp=tp, devices=jax.local_devices(), multi_process=False)
+    for name, tp, dp in (("one", 1, 1), ("tp", 4, 2)):
+        mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
         target = load_target(k3_dir, dtype=jnp.float32, mesh=mesh)
         out = tmp_path / f"{name}.jsonl"
         regen.regenerate(target, CharTokenizer(), records, out, settings=settings, batch_size=2)
         answers[name] = {r["id"]: r["answer_ids"] for r in regen.read_cache(out)}
     assert answers["tp"] == answers["one"] and len(answers["one"]) == 2
     assert len({tuple(a) for a in answers["one"].values()}) > 1
+
+
+def test_offline_teacher_shards_with_the_target_split_equal_one_device(k3_dir, tmp_path):
+    """train.teacher's library path on a --tp 4 --dp 2 mesh (each batch split over data): the
+    shards hold one device's aux and final hidden states (float64)."""
+    samples = _samples(4, 20, 96, seed=3)
+    got = {}
+    with x64():
+        for name, tp, dp in (("one", 1, 1), ("tp", 4, 2)):
+            mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
+            target = load_target(k3_dir, dtype=jnp.float64, mesh=mesh, rules=TEACHER_RULES)
+            meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=(0, 2, 4), hidden_size=32,
+                                     aux_width=96, dtype="float64", target="tiny-k3", max_len=24)
+            teacher.write_teacher_shards(target, samples, tmp_path / name, writer=0, meta=meta, batch_size=2,
+                                         mesh=mesh)
+            got[name] = teacher.read_shard(tmp_path / name / teacher.shard_name(0, 0))
+    assert got["tp"][0] == got["one"][0] == [s.id for s in samples]
+    for i, what in ((3, "aux hidden"), (4, "final hidden")):
+        assert_close(got["tp"][i], got["one"][i], what)
 
 
 def test_impossible_meshes_name_the_flag_and_the_numbers():
