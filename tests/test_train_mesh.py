@@ -167,6 +167,8 @@ def test_impossible_meshes_name_the_flag_and_the_numbers():
         training_mesh(tp=2, dp=4, fsdp=2, devices=devices)
     with pytest.raises(MeshError, match=r"--dp 1 x --fsdp 2 x --tp 2 = 4, but a multi-process mesh holds all 8"):
         training_mesh(tp=2, fsdp=2, dp=1, devices=devices, multi_process=True)
+    with pytest.raises(MeshError, match=r"--dp 4 x --tp 4 = 16 devices, but 8 cpu device"):
+        training_mesh(tp=4, dp=4, devices=devices)
     with pytest.raises(MeshError, match=r"--fsdp 3 x --tp 2 does not divide the 8 devices"):
         training_mesh(tp=2, fsdp=3, devices=devices, multi_process=True)
     k3 = KimiConfig.from_dict(tiny_k3_dict())             # 2 MLA heads, 2 KDA heads, 8 experts

@@ -219,7 +219,7 @@ def main(argv: list[str]) -> None:
             f"into {FLAGS.run_dir}/checkpoints")
     log(f"training {total} steps: global batch {cfg.global_batch} = {cfg.accum_steps} x {cfg.micro_batch}, "
         f"max_len {cfg.max_len}, {cfg.loss.num_anchors} anchors, {'online' if online else 'offline'} teacher, "
-        f"{len(jax.devices())} device(s), compute {cfg.compute_dtype}")
+        f"{mesh.devices.size} device(s), compute {cfg.compute_dtype}")
     Path(FLAGS.run_dir).mkdir(parents=True, exist_ok=True)
     if primary:
         with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:

@@ -88,12 +88,12 @@ def training_mesh(tp: int = 1, dp: int | None = None, fsdp: int | None = None, *
     else:
         dp, fsdp = dp or 1, fsdp or 1
     used = dp * fsdp * tp
+    # --fsdp named only where it is not 1 (train.teacher and train.regen have no such flag)
+    product = " x ".join([f"--dp {dp}"] + ([f"--fsdp {fsdp}"] if fsdp != 1 else []) + [f"--tp {tp}"])
     if multi and used != n:
-        raise MeshError(f"--dp {dp} x --fsdp {fsdp} x --tp {tp} = {used}, but a multi-process mesh holds "
-                        f"all {n} devices of the run")
+        raise MeshError(f"{product} = {used}, but a multi-process mesh holds all {n} devices of the run")
     if used > n:
-        raise MeshError(f"--dp {dp} x --fsdp {fsdp} x --tp {tp} = {used} devices, but {n} "
-                        f"{devices[0].platform} device(s) are visible")
+        raise MeshError(f"{product} = {used} devices, but {n} {devices[0].platform} device(s) are visible")
     return sharding_lib.make_mesh(tensor=tp, fsdp=fsdp, data=dp, devices=devices[:used])
 
 
