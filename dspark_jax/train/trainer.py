@@ -276,17 +276,28 @@ class Trainer:
         self.graphdef, self.template, self.rest, params = draft_split(init_draft)
         master = jnp.float64 if self.compute_dtype == jnp.float64 else jnp.float32
         self._sums_dtype = master          # the loss terms' dtype (float32 for a bf16 draft too)
-        params = jax.tree.map(lambda x: x.astype(master), params)
         shardings = sharding_lib.param_shardings(self.template, self.mesh)
         self.param_shardings = _stringify(nnx.to_pure_dict(shardings))
-        # a copy: the step donates its state, the caller's draft must stay valid
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
-        opt_abstract = jax.eval_shape(self.tx.init, params)
         replicated = NamedSharding(self.mesh, P())
+        # an abstract draft (ShapeDtypeStructs): a plan's trainer, whose step is only compiled
+        self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        if self.abstract:
+            params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, master, sharding=s), params,
+                                  self.param_shardings)
+        else:
+            # a copy: the step donates its state, the caller's draft must stay valid
+            params = jax.device_put(jax.tree.map(lambda x: x.astype(master), params), self.param_shardings,
+                                    may_alias=False)
+        opt_abstract = jax.eval_shape(self.tx.init, params)
         self.opt_shardings = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, self.param_shardings,
                                                    transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
+        if self.abstract:
+            opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_abstract,
+                                     self.opt_shardings)
+            self.state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+        else:
+            opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+            self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
         self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, replicated)
 
         self.aux_ids = tuple(draft_cfg.target_layer_ids)
@@ -347,6 +358,16 @@ class Trainer:
         metrics["grad_norm"] = optax.global_norm(g)
         metrics["lr"] = self.schedule(state.step)
         return TrainState(params, opt_state, state.step + 1), metrics
+
+    def lower_step(self, batch: Mapping[str, jax.ShapeDtypeStruct]):
+        """The training step lowered for abstract state and batch (`jax.stages.Lowered`): a plan
+        compiles it for its memory and cost analyses."""
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_batch_sharding(self.mesh, self.cfg.micro_batch,
+                                                                                    len(v.shape)))
+                 for k, v in batch.items()}
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                             self.state_shardings)
+        return self._step_fn.lower(state, batch, self.frozen)
 
     def device_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.device_put(v, _batch_sharding(self.mesh, self.cfg.micro_batch, v.ndim))
