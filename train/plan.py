@@ -12,6 +12,7 @@ line is `per-device peak: X GiB of C GiB`, and the exit status is 0 if it fits `
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from absl import app, flags, logging
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> None:
         plan = train_plan.build_train_plan(cfg, draft_cfg, shape, progress=logging.info)
     except train_mesh.MeshError as e:
         raise app.UsageError(str(e)) from None
-    plan = plan.__class__(**{**plan.__dict__, "capacity_gib": _HBM.value})
+    plan = dataclasses.replace(plan, capacity_gib=_HBM.value)
     print("\n".join(train_plan.format_train_plan(plan)), flush=True)
     sys.exit(0 if plan.peak_bytes <= _HBM.value * _USABLE.value * train_plan.GIB else 1)
 

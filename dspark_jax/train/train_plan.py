@@ -12,6 +12,9 @@ by the rules table:
 Reported per device: XLA's buffer assignment (`compiled.memory_analysis()`) and FLOPs
 (`compiled.cost_analysis()`), a step-time floor at a device's stated peak dense bf16 rate, and
 the offline shard bytes per token (aux + final hidden states in the shard dtype, token ids, mask).
+XLA's cost analysis counts a loop body once whatever its trip count (a 10-step `fori_loop` of a
+matmul reports one matmul's FLOPs): the routed MoE's loop over a device's experts, the KDA chunk
+scan and the accumulation scan are under-counted, so the FLOPs and the step time are lower bounds.
 The numbers are XLA:CPU's: the CPU backend keeps f32 copies of bf16 weights as temporaries, so the
 temporaries are an upper bound for a GPU's.
 """
@@ -149,7 +152,8 @@ def format_train_plan(plan: TrainPlan) -> list[str]:
              f"XLA:CPU AOT: lowered in {plan.lower_s:.1f} s, compiled in {plan.compile_s:.1f} s",
              "per device (GiB): arguments" + gib(plan.argument_bytes) + "  temporaries" + gib(plan.temp_bytes)
              + "  outputs" + gib(plan.output_bytes) + "  aliased" + gib(plan.alias_bytes),
-             f"FLOPs per step per device (XLA cost analysis): {plan.flops:.3e}"]
+             f"FLOPs per step per device (XLA cost analysis, loop bodies counted once: a lower bound): "
+             f"{plan.flops:.3e}"]
     for device, peak in PEAK_BF16_FLOPS.items():
         lines.append(f"step-time floor at {device}'s stated peak dense bf16 ({peak / 1e15:.3g} PFLOP/s): "
                      f"{plan.step_seconds(device):.3f} s")
