@@ -56,22 +56,25 @@ def resolve_dtype(dtype, what: str = "dtype") -> jnp.dtype | None:
         raise ValueError(f"{what}={dtype!r}: expected one of {', '.join(DTYPE_NAMES)} or a numpy/jax dtype") from None
 
 
-def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype="auto", mesh=None, progress=None):
-    """A target model (kimi_linear or llama family) ready for `generate`; `dtype`: see the module doc."""
+def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype="auto", mesh=None, progress=None,
+                rules=None):
+    """A target model (kimi_linear or llama family) ready for `generate`; `dtype`: see the module doc.
+    `rules`: the logical-axis table that places it on `mesh` (default `sharding.LOGICAL_RULES`; the
+    training programs pass `train_mesh.TEACHER_RULES`)."""
     dtype = resolve_dtype(dtype, "target dtype")
     path = resolve_model_path(path_or_name)
     from dspark_jax.checkpoint import target_io
     if target_io.is_orbax_target_dir(Path(path)):          # written by `python -m convert.target`
-        model = target_io.load_kimi_orbax(path, mesh=mesh, dtype=dtype)
+        model = target_io.load_kimi_orbax(path, mesh=mesh, dtype=dtype, rules=rules)
         register_source(model, path)
         return model
     cfg = load_config(path)
     if isinstance(cfg, KimiConfig):
         from dspark_jax.models.kimi import load_kimi
-        model = load_kimi(path, dtype=dtype, mesh=mesh, progress=progress)
+        model = load_kimi(path, dtype=dtype, mesh=mesh, progress=progress, rules=rules)
     elif isinstance(cfg, LlamaConfig):
         from dspark_jax.models.llama import load_llama
-        model = load_llama(path, dtype=dtype, mesh=mesh, progress=progress)
+        model = load_llama(path, dtype=dtype, mesh=mesh, progress=progress, rules=rules)
     elif isinstance(cfg, DraftConfig):
         raise ConfigError(f"{path}: this is a DSpark draft checkpoint; use load_draft")
     else:  # pragma: no cover - load_config raises for unknown families

@@ -85,3 +85,15 @@ def write_k3_checkpoint(model, path: Path, config: dict, drop=None, extra=None, 
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def tiny_k3_tp_dict(num_layers: int = 5) -> dict:
+    """tiny K3 (every extension, MXFP4 experts) with 4 MLA and 4 KDA heads and 8 experts: a
+    tensor axis of 4 gives each device one head of each kind and 2 experts. `num_layers` >= 3:
+    the last two MLA (one with 3), the others KDA; the first dense, the others MoE."""
+    full = [num_layers] if num_layers == 3 else [num_layers - 1, num_layers]
+    return tiny_k3_dict(num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+                        linear_attn_config=dict(head_dim=8, num_heads=4, short_conv_kernel_size=4,
+                                                gate_lower_bound=-5.0, use_full_rank_gate=True,
+                                                kda_layers=[i for i in range(1, num_layers + 1) if i not in full],
+                                                full_attn_layers=full))

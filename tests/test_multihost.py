@@ -1,6 +1,7 @@
-"""Multi-host with `jax.distributed`: distillation steps on two processes on localhost (4 CPU
-devices each, one global 8-device mesh) give the losses of the same steps in one process with 8
-devices; and the settings resolve from arguments, flags or environment with clear errors."""
+"""Multi-host with `jax.distributed`: distillation steps with a Kimi-K3 teacher on two processes
+on localhost (4 CPU devices each, one global 8-device training mesh, tensor 4 inside each process)
+give the losses of the same steps in one process with 8 devices; and the settings resolve from
+arguments, flags or environment with clear errors."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dspark_jax import distributed
 REPO = Path(__file__).resolve().parents[1]
 
 # Three online-distillation steps (target prefill as teacher inside the step, DSpark loss, grad,
-# AdamW) of a tiny Llama target + tiny draft, FSDP over all 8 devices of the global mesh.
+# AdamW) of a 3-layer tiny Kimi-K3 target (MXFP4 experts) + tiny draft on the training mesh of --tp 4:
+# the teacher split over "tensor" (heads, EP) inside each process, the draft FSDP over the 2 hosts.
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
@@ -31,20 +33,23 @@ _SCRIPT = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from flax import nnx
     from dspark_jax import sharding
-    from dspark_jax.config import DraftConfig, LlamaConfig
-    from dspark_jax.models.llama import LlamaModel
+    from dspark_jax.config import DraftConfig, KimiConfig
+    from dspark_jax.models.kimi import KimiLinearModel
     from dspark_jax.train import loss as L, trainer as T
     from dspark_jax.train.regen import Sample
+    from dspark_jax.train.train_mesh import TEACHER_RULES, training_mesh
+    from tests.kimi_configs import tiny_k3_tp_dict
 
     assert jax.device_count() == 8 and jax.local_device_count() == n_local
-    mesh = distributed.global_mesh(fsdp=8, tensor=1, data=1)
-    tcfg = LlamaConfig.from_dict(dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5))
-    # built straight into the global sharding: the same program on every process
-    target = sharding.create_sharded(lambda: LlamaModel(tcfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
+    # two processes: the rest of the devices go to fsdp by default; one process says so
+    mesh = training_mesh(tp=4) if settings.multi_process else training_mesh(tp=4, fsdp=2)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+    tcfg = KimiConfig.from_dict(tiny_k3_tp_dict(num_layers=3))     # 2 KDA + 1 MLA, 2 MoE
+    # built straight into the teacher's sharding: the same program on every process
+    target = sharding.create_sharded(lambda: KimiLinearModel(tcfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh,
+                                     TEACHER_RULES)
     dcfg = DraftConfig.from_dict(dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=16,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, vocab_size=96,
         target_hidden_size=32, target_num_hidden_layers=3, target_layer_ids=[0, 2], mask_token_id=95,
         markov_rank=8, enable_confidence_head=True, confidence_head_with_markov=True,
@@ -61,10 +66,13 @@ _SCRIPT = textwrap.dedent("""
     batch = T.collate([T.Example(s) for s in samples], cfg, offline=False)
     losses = [tr.step(batch)["loss"] for _ in range(3)]
     w = tr.state.params["context_proj"]["weight"]
+    experts = target.model.layers[2].block_sparse_moe.experts.w1.weight_packed.get_value()
     print(json.dumps({"process": jax.process_index(), "losses": losses,
-                      "local_shards": len(w.addressable_shards),
+                      "local_shards": len(w.addressable_shards), "draft_spec": str(w.sharding.spec),
+                      "expert_spec": str(experts.sharding.spec),
                       "mesh_processes": [d.process_index for d in mesh.devices.flat]}))
 """)
+
 
 
 def _free_port() -> int:
@@ -98,16 +106,19 @@ def test_two_processes_give_the_single_process_losses():
                         distributed.ENV_PROCESS_ID: str(pid)}) for pid in (0, 1)]
     single = _start(8, {})
     try:
-        multi = [_result(p, 240) for p in procs]
-        ref = _result(single, 240)
+        multi = [_result(p, 480) for p in procs]
+        ref = _result(single, 480)
     finally:
         for p in procs + [single]:
             if p.poll() is None:
                 p.kill()
     assert [r["process"] for r in multi] == [0, 1]
-    # one global mesh: each process holds 4 of the 8 FSDP shards, its own devices contiguous
+    # one global mesh, each process's devices contiguous: "tensor" (the teacher's heads and
+    # experts) inside a process, the draft's FSDP axis across the two
     assert [r["local_shards"] for r in multi] == [4, 4] and ref["local_shards"] == 8
     assert multi[0]["mesh_processes"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert multi[0]["expert_spec"] == "P('tensor', None, None)"       # EP, MXFP4 packed
+    assert "fsdp" in multi[0]["draft_spec"]
     # both processes see the same (replicated) loss, and it is the single-process loss: the same
     # SPMD program; only the all-reduces run over gloo between processes (fp32, 3 AdamW steps;
     # the tolerance allows a different reduction order)

@@ -1,7 +1,7 @@
 """The model-pair flags (dspark_jax/serving/pair_flags.py), declared once: the programs that load
 a pair share their names and defaults, and a program that keeps a model on one device refuses
 `--tp 2` by name instead of ignoring it (the serving programs' --tp is exercised by the tests of
-serve.server and serve.bench)."""
+serve.server and serve.bench, the training programs' by tests/test_train_mesh.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("program, args", [
-    ("train.teacher", ["--data=x.jsonl", "--draft_config=x.json", "--out=x"]),
+    ("train.magpie", ["--out=x.jsonl"]),
     ("benchmarks.acceptance", []),
 ])
 def test_one_device_programs_refuse_tensor_parallelism(program, args):

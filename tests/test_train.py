@@ -29,6 +29,7 @@ from dspark_jax.train import regen, teacher, torchspec
 from dspark_jax.train import trainer as T
 from dspark_jax.train.regen import Sample
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
+from tests.train_utils import CharTokenizer as _CharTokenizer
 from tests.train_utils import write_tiny_run_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -443,21 +444,6 @@ def test_short_run_lowers_loss_and_raises_tokens_per_forward(pair, samples, tmp_
 
 # ---------------------------------------------------------------------------------------------
 # regen cache, torch export, TorchSpec
-
-
-class _CharTokenizer:
-    """Tiny stand-in for a chat tokenizer: one id per character (mod 90)."""
-    eos_token_ids = ()
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def encode(self, text):
-        return [ord(c) % 90 for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(32 + i) for i in ids)
 
 
 def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):

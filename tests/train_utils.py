@@ -34,3 +34,18 @@ def write_tiny_run_inputs(root: Path, pair, samples) -> dict[str, Path]:
                                 "answer_ids": s.input_ids[n:].tolist(), "finish_reason": "length", "kept": True,
                                 "answer_text": ""}) + "\n")
     return {"target": tdir, "draft_config": cfg_path, "data": data}
+
+
+class CharTokenizer:
+    """Tiny stand-in for a chat tokenizer: one id per character (mod 90)."""
+    eos_token_ids = ()
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text):
+        return [ord(c) % 90 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(32 + i) for i in ids)

@@ -31,10 +31,14 @@ acceptance benchmark's first 60; or --eval_prompts_file) at the start and every 
 in all; metrics.jsonl records every step's and the running total (for comparisons at equal CPU
 time); --time_budget S stops the same way after S wall-clock seconds of this invocation.
 
+Mesh (dspark_jax/train/train_mesh.py): --tp N splits the teacher over N devices as serving does
+(TP = EP; a Kimi-K3 teacher on one node: --tp 8), --dp / --fsdp replicate / shard the draft and
+its AdamW state over the rest; by default one process trains on one device.
+
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID)
-and a --run_dir every host sees; the draft and its AdamW state are then sharded (FSDP) over every
-device of the global mesh, and the torch-layout export is written once, by process 0, at the end.
+and a --run_dir every host sees; the mesh then holds every device of every host (by default all
+but the tensor axis on fsdp), and the torch-layout export is written once, by process 0, at the end.
 """
 
 from __future__ import annotations
@@ -48,17 +52,20 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from dspark_jax import distributed
-from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
+from dspark_jax.config import load_config
+from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
 from dspark_jax.train import init_draft, regen, teacher, torchspec
 from dspark_jax.train import loss as loss_lib
+from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
 from train import paths
 
 FLAGS = flags.FLAGS
 pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
 pair_flags.define_tp()
+train_mesh.define_flags()
 flags.DEFINE_enum("target_dtype", "float32", ["float32", "bfloat16"], "Teacher compute dtype (the held-out eval "
                   "serves the target in float32 either way, as benchmarks.acceptance does).")
 flags.DEFINE_string("data", None, "Regen cache JSONL (online teacher); several (the shards of a multi-host "
@@ -136,8 +143,6 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     if (FLAGS.data is None) == (FLAGS.teacher_dir is None):
         raise app.UsageError("give exactly one of --data (online teacher) and --teacher_dir (offline)")
-    pair_flags.require_one_device("train.distill", "keeps a whole target on every device (the draft is sharded FSDP "
-                                  "over the hosts of a multi-host run)")
     settings = distributed.initialize_program()
     primary = distributed.is_primary()
     t0 = time.time()
@@ -146,10 +151,8 @@ def main(argv: list[str]) -> None:
         if primary:
             print(f"[distill {time.time() - t0:8.1f}s] {msg}", flush=True)
 
-    if settings.multi_process:   # one global mesh, FSDP over all devices (the multi-host test's layout)
-        mesh = distributed.global_mesh(fsdp=jax.device_count(), tensor=1, data=1)
-    else:
-        mesh = sharding_lib.make_mesh(tensor=1, data=1, devices=jax.devices()[:1])
+    mesh = train_mesh.mesh_from_flags(load_config(resolve_model_path(FLAGS.target)))
+    log(train_mesh.describe(mesh))
     init = init_draft.DraftInit(draft_config=FLAGS.draft_config, init_from=FLAGS.init_from,
                                 add_layers=FLAGS.add_layers, draft_vocab=FLAGS.draft_vocab,
                                 warm_start=FLAGS.warm_start, seed=FLAGS.seed)
@@ -172,7 +175,8 @@ def main(argv: list[str]) -> None:
     except init_draft.DraftInitError as e:
         raise app.UsageError(str(e)) from None
     draft_cfg = initial.cfg
-    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh)
+    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.target_dtype), mesh=mesh,
+                         rules=train_mesh.TEACHER_RULES)
     start_draft = init_draft.finish(initial, init, target, mesh, log)
     online = FLAGS.data is not None
     if online:
@@ -215,7 +219,7 @@ def main(argv: list[str]) -> None:
             f"into {FLAGS.run_dir}/checkpoints")
     log(f"training {total} steps: global batch {cfg.global_batch} = {cfg.accum_steps} x {cfg.micro_batch}, "
         f"max_len {cfg.max_len}, {cfg.loss.num_anchors} anchors, {'online' if online else 'offline'} teacher, "
-        f"{len(jax.devices())} device(s), compute {cfg.compute_dtype}")
+        f"{mesh.devices.size} device(s), compute {cfg.compute_dtype}")
     Path(FLAGS.run_dir).mkdir(parents=True, exist_ok=True)
     if primary:
         with open(Path(FLAGS.run_dir) / "flags.json", "w") as f:
@@ -230,8 +234,8 @@ def main(argv: list[str]) -> None:
             prompts = monitor.gsm8k_heldout_prompts(FLAGS.eval_num_prompts, start=FLAGS.eval_offset)
             where = f"GSM8K test {FLAGS.eval_offset}..{FLAGS.eval_offset + len(prompts) - 1}"
         # served like benchmarks.acceptance serves it (float32), whatever dtype the teacher runs in
-        served = target if FLAGS.target_dtype == "float32" else load_target(FLAGS.target, dtype=jnp.float32,
-                                                                             mesh=mesh)
+        served = target if FLAGS.target_dtype == "float32" else load_target(
+            FLAGS.target, dtype=jnp.float32, mesh=mesh, rules=train_mesh.TEACHER_RULES)
         evaluator = monitor.HeldOutEval(served, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
@@ -271,7 +275,7 @@ _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "
               "clip", "weight_decay", "compute_dtype", "seed", "save_every", "log_every", "keep_exports",
               "warm_start", "lr_schedule", "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file",
               "eval_max_new_tokens", "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget",
-              "stop_at"}
+              "stop_at", "tp", "dp", "fsdp"}
 
 
 if __name__ == "__main__":

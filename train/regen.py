@@ -6,11 +6,12 @@
 Greedy (T=0) by default, through `generate()` with the serving chat template. Rerunning the same
 command resumes: prompts already in --out are skipped. Progress (prompts, tokens/s, ETA) goes to
 stdout after every batch. --num_shards/--shard_index split the pool over several processes, each
-writing its own --out.
+writing its own --out. --tp N places the target on N devices as serving does (a Kimi-K3 target on
+one node: --tp 8; dspark_jax/train/train_mesh.py), --dp M adds a data axis of M.
 
 Multi-host (docs/scaling.md): the same command on every host with --coordinator_address,
 --num_processes, --process_id (or $DSPARK_COORDINATOR, $DSPARK_NUM_PROCESSES, $DSPARK_PROCESS_ID);
-process i of n answers every n-th prompt from i on its own devices, into its own cache beside
+process i of n answers every n-th prompt from i on its own devices (--tp x --dp of them), into its own cache beside
 --out (`regen.jsonl` -> `regen-0000i-of-0000n.jsonl`; `train.distill --data` takes the shards
 as a glob or a comma-separated list).
 """
@@ -25,18 +26,19 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from dspark_jax import distributed
-from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import load_target
+from dspark_jax.config import load_config
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
 from dspark_jax.tokenizer import load_tokenizer
-from dspark_jax.train import regen
+from dspark_jax.train import regen, train_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompts", None, "Prompt pool JSONL ({id, source, messages}).")
 flags.DEFINE_string("out", None, "Answer cache JSONL (appended; resumable).")
 pair_flags.define_model("smollm2-135m", help="Target: directory or preset name.")
 pair_flags.define_tp()
+train_mesh.define_flags(fsdp=False)
 pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target compute dtype.")
 flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once (continuous batching).", lower_bound=1)
@@ -65,7 +67,6 @@ flags.mark_flags_as_required(["prompts", "out"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    pair_flags.require_one_device("train.regen", "answers on one device per process")
     deadline = None if FLAGS.time_budget is None else time.time() + FLAGS.time_budget
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     dist = distributed.initialize_program()
@@ -92,8 +93,9 @@ def main(argv: list[str]) -> None:
     pool = regen.order_by_source(regen.read_jsonl(FLAGS.prompts), FLAGS.first_sources)
     records = pool[:FLAGS.limit][shard_index::num_shards]
     path = resolve_model_path(FLAGS.model)
-    # this process's first device (the loader's default, jax.devices()[0], is process 0's)
-    local = sharding_lib.make_mesh(devices=jax.local_devices()[:1])
+    # this process's own devices (the loader's default, jax.devices()[0], is process 0's)
+    local = train_mesh.mesh_from_flags(load_config(path), devices=jax.local_devices(), multi_process=False)
+    log(train_mesh.describe(local))
     target = load_target(path, dtype=jnp.dtype(FLAGS.dtype), mesh=local)
     tokenizer = load_tokenizer(path)
     settings = regen.RegenSettings(target=str(FLAGS.model), max_new_tokens=FLAGS.max_new_tokens,

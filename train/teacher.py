@@ -6,7 +6,8 @@
 
 Start W of these (one per --writer) and `python -m train.distill --teacher_dir ...` at the same
 time: the trainer consumes shards as they are published. Rerunning a writer continues after its
-last published shard.
+last published shard. --tp N splits the target over N devices as serving does (a Kimi-K3 target on
+one node: --tp 8), --dp M splits each batch over M such groups (dspark_jax/train/train_mesh.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from dspark_jax.api import load_target
-from dspark_jax.config import DraftConfig
+from dspark_jax.config import DraftConfig, load_config
+from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
-from dspark_jax.train import regen, teacher
+from dspark_jax.train import regen, teacher, train_mesh
 
 FLAGS = flags.FLAGS
 pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
 pair_flags.define_tp()
+train_mesh.define_flags(fsdp=False)
 pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Teacher compute and storage dtype.")
 flags.DEFINE_string("data", None, "Regen cache JSONL.")
 flags.DEFINE_string("draft_config", None, "Draft config.json (its target_layer_ids are captured).")
@@ -39,7 +42,6 @@ flags.mark_flags_as_required(["data", "draft_config", "out"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    pair_flags.require_one_device("train.teacher")
     logging.set_verbosity(logging.WARNING)     # Orbax and JAX log every save at INFO
     t0 = time.time()
 
@@ -47,14 +49,16 @@ def main(argv: list[str]) -> None:
         print(f"[teacher {time.time() - t0:8.1f}s] {msg}", flush=True)
 
     draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
-    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype))
+    mesh = train_mesh.mesh_from_flags(load_config(resolve_model_path(FLAGS.target)), multi_process=False)
+    log(train_mesh.describe(mesh))
+    target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype), mesh=mesh, rules=train_mesh.TEACHER_RULES)
     samples = list(regen.samples_from_cache(regen.read_cache(FLAGS.data), max_len=FLAGS.max_len))
     meta = teacher.ShardMeta(num_writers=FLAGS.num_writers, shard_size=FLAGS.shard_size,
                              aux_layer_ids=tuple(draft_cfg.target_layer_ids), hidden_size=target.cfg.hidden_size,
                              aux_width=len(draft_cfg.target_layer_ids) * target.cfg.hidden_size, dtype=FLAGS.dtype,
                              target=str(FLAGS.target), max_len=FLAGS.max_len)
     out = teacher.write_teacher_shards(target, samples, FLAGS.out, writer=FLAGS.writer, meta=meta,
-                                       batch_size=FLAGS.batch_size, log=log)
+                                       batch_size=FLAGS.batch_size, log=log, mesh=mesh)
     log(f"done: {out.num_shards} shards, {out.num_samples} sequences")
 
 

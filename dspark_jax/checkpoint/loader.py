@@ -140,14 +140,16 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
                prefix: str = "",
                dtype_policy: DtypePolicy = "strict",
                ignore: Iterable[str] = (),
-               progress: Progress | None = None) -> nnx.Module:
+               progress: Progress | None = None,
+               rules=None) -> nnx.Module:
     """Return `model` populated from the HF safetensors checkpoint in `checkpoint_dir`.
 
     `model` is an abstract module (`nnx.eval_shape(ctor)`; a concrete one works too, only its
     shapes, dtypes and axes are read) or a zero-argument constructor. The tensor for a param is
     `prefix + rename(path)`. Checkpoint tensors that no param consumes are an error unless one of
     the `ignore` regexes matches them (`re.search`). `dtype_policy="cast"` converts float tensors
-    to the param dtype; "strict" requires equal dtypes. `mesh` defaults to one device.
+    to the param dtype; "strict" requires equal dtypes. `mesh` defaults to one device; `rules`
+    (default `sharding.LOGICAL_RULES`) maps the params' logical axes onto it.
     Raises `CheckpointError` naming every offending tensor and its file.
     """
     if dtype_policy not in ("strict", "cast"):
@@ -183,4 +185,4 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
                 progress(i + 1, len(plans), plan.path)
         return loaded
 
-    return sharding_lib.place_params(model, mesh, load)
+    return sharding_lib.place_params(model, mesh, load, rules or sharding_lib.LOGICAL_RULES)

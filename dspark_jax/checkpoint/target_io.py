@@ -247,7 +247,7 @@ def _leaf_problems(flat: Mapping[str, nnx.Param], leaves: Mapping[str, object], 
     return problems
 
 
-def load_kimi_orbax(path: str | Path, *, mesh: Mesh | None = None, dtype=None):
+def load_kimi_orbax(path: str | Path, *, mesh: Mesh | None = None, dtype=None, rules=None):
     """A `KimiLinearModel` from an Orbax target dir, every param restored straight into its
     sharding on `mesh` (default: one device): each process reads only its devices' shards.
     `dtype` overrides the bf16-class params' dtype (floats are cast while reading; F32/U8
@@ -268,4 +268,4 @@ def load_kimi_orbax(path: str | Path, *, mesh: Mesh | None = None, dtype=None):
         except Exception as e:
             raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore the params ({type(e).__name__}: {e})") from e
 
-    return sharding_lib.place_params(model, mesh, restore)
+    return sharding_lib.place_params(model, mesh, restore, rules or sharding_lib.LOGICAL_RULES)

@@ -251,7 +251,7 @@ def _hf_rename(ckpt_keys: set[str], prefix: str) -> Callable[[str], str]:
 
 
 def load_kimi(model_dir, *, dtype=None, mesh=None, dtype_policy: str | None = None,
-              progress=None) -> KimiLinearModel:
+              progress=None, rules=None) -> KimiLinearModel:
     """Load a kimi_linear-family target from an HF directory (K3 wrapper or plain layout),
     tensor by tensor, straight into the mesh's sharding. `dtype` overrides the param dtype of
     the bf16 weights (float32 for tests); F32/U8 tensors keep their dtype."""
@@ -266,4 +266,4 @@ def load_kimi(model_dir, *, dtype=None, mesh=None, dtype_policy: str | None = No
         rename=_hf_rename(keys, cfg.tensor_prefix), prefix=cfg.tensor_prefix, dtype_policy=policy,
         # the K3 wrapper also holds the vision tower and projector; MTP layers are not used
         ignore=(r"^vision_tower\.", r"^mm_projector\.", r"^multi_modal_projector\."),
-        progress=progress)
+        progress=progress, rules=rules)

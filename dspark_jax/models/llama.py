@@ -241,7 +241,7 @@ def _dtype_from_config(name: str):
 
 
 def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
-               progress: Progress | None = None) -> LlamaModel:
+               progress: Progress | None = None, rules=None) -> LlamaModel:
     """Load an HF-layout Llama directory (config.json + safetensors). Params take the config's
     `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
     cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
@@ -251,4 +251,4 @@ def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
     ignore = [rf"^{re.escape(cfg.tensor_prefix)}lm_head\.weight$"] if cfg.tie_word_embeddings else []
     return load_state(abstract, model_dir, mesh=mesh, prefix=cfg.tensor_prefix,
                       dtype_policy="strict" if dtype is None else "cast", ignore=ignore,
-                      progress=progress)
+                      progress=progress, rules=rules)

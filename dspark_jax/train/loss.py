@@ -217,13 +217,13 @@ def terms_from_teacher(draft_logits_BATV: jax.Array, teacher: TeacherProbs, conf
     if conf_logit_BAT is None:
         bce = jnp.zeros_like(ce)
     else:
-        x, y = conf_logit_BAT.astype(jnp.float32), jax.lax.stop_gradient(accept)
+        x, y = conf_logit_BAT.astype(f32), jax.lax.stop_gradient(accept)
         bce = jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
     return TokenTerms(ce, l1, accept, bce, draft_top1, teacher.top1)
 
 
 def reduce_terms(terms: TokenTerms, blocks: Blocks, cfg: LossConfig) -> LossSums:
-    w = blocks.weights_BAT
+    w = blocks.weights_BAT.astype(terms.l1.dtype)        # summed in the terms' precision
     ev = blocks.eval_mask_BAT.astype(jnp.float32)
     ce, l1, bce = jnp.sum(w * terms.ce), jnp.sum(w * terms.l1), jnp.sum(w * terms.bce)
     numerator = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.confidence_weight * bce
@@ -232,10 +232,12 @@ def reduce_terms(terms: TokenTerms, blocks: Blocks, cfg: LossConfig) -> LossSums
     survive_BAT = jnp.cumprod(jax.lax.stop_gradient(terms.accept) * ev, axis=-1)
     tau = jnp.sum(keep * (1.0 + jnp.sum(survive_BAT, axis=-1)))
     sg = jax.lax.stop_gradient
-    return LossSums(numerator, jnp.sum(w), sg(ce), sg(l1), sg(bce), jnp.sum(ev, axis=(0, 1)),
-                    per_pos(sg(terms.accept)), per_pos((terms.draft_top1 == blocks.labels_BAT).astype(jnp.float32)),
-                    per_pos((terms.draft_top1 == terms.target_top1).astype(jnp.float32)), per_pos(sg(terms.ce)),
-                    tau, jnp.sum(keep))
+    sums = (numerator, jnp.sum(w), sg(ce), sg(l1), sg(bce), jnp.sum(ev, axis=(0, 1)),
+            per_pos(sg(terms.accept)), per_pos((terms.draft_top1 == blocks.labels_BAT).astype(jnp.float32)),
+            per_pos((terms.draft_top1 == terms.target_top1).astype(jnp.float32)), per_pos(sg(terms.ce)),
+            tau, jnp.sum(keep))
+    # one dtype for every sum (float64 when the terms are): what zero_sums(cfg, dtype) starts from
+    return LossSums(*(x.astype(terms.l1.dtype) for x in sums))
 
 
 class DistillOutputs(NamedTuple):
@@ -312,7 +314,8 @@ def metrics_from_sums(sums: LossSums, cfg: LossConfig) -> dict[str, jax.Array]:
     return out
 
 
-def zero_sums(cfg: LossConfig) -> LossSums:
-    """The additive identity (scalars, and [T] vectors for the per-position fields)."""
+def zero_sums(cfg: LossConfig, dtype=jnp.float32) -> LossSums:
+    """The additive identity (scalars, and [T] vectors for the per-position fields) in the terms'
+    dtype (float32; float64 for a float64 draft)."""
     t = cfg.block_size
-    return LossSums(*(jnp.zeros((t,) if name.endswith("_T") else (), jnp.float32) for name in LossSums._fields))
+    return LossSums(*(jnp.zeros((t,) if name.endswith("_T") else (), dtype) for name in LossSums._fields))

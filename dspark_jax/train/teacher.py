@@ -326,11 +326,24 @@ class ShardStream:
             return TeacherExample(samples[i], aux[off[i]:off[i + 1]], final[off[i]:off[i + 1]])
 
 
+def _place_batch(x: np.ndarray, mesh) -> jax.Array:
+    """Rows over the mesh's data x fsdp devices where they divide the batch, else replicated."""
+    if mesh is None:
+        return jnp.asarray(x)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    spec = P(("data", "fsdp")) if split > 1 and x.shape[0] % split == 0 else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
 def write_teacher_shards(target, samples: Sequence[Sample], directory: str | os.PathLike, *, writer: int,
-                         meta: ShardMeta, batch_size: int, log: Callable[[str], None] | None = None) -> ShardWriter:
+                         meta: ShardMeta, batch_size: int, log: Callable[[str], None] | None = None,
+                         mesh=None) -> ShardWriter:
     """Writer `writer`'s part of the offline teacher data: samples i with i % W == writer, in
     order, run through the teacher in right-padded [batch_size, max_len] batches (the trainer's
-    shapes), published shard by shard; resumes after the shards already present."""
+    shapes), published shard by shard; resumes after the shards already present. `mesh`: the
+    target's (`train_mesh.training_mesh`); its data x fsdp devices split each batch."""
     out = ShardWriter(directory, writer, meta)
     mine = list(samples)[writer::meta.num_writers]
     skip = out.samples_done
@@ -339,7 +352,7 @@ def write_teacher_shards(target, samples: Sequence[Sample], directory: str | os.
     for start in range(skip, len(mine), batch_size):
         chunk = mine[start:start + batch_size]
         ids, _, valid = pad_batch(chunk, meta.max_len, batch_size)
-        aux, final = fn(target, jnp.asarray(ids), jnp.asarray(valid), tuple(meta.aux_layer_ids))
+        aux, final = fn(target, _place_batch(ids, mesh), _place_batch(valid, mesh), tuple(meta.aux_layer_ids))
         aux, final = np.asarray(aux), np.asarray(final)
         for i, s in enumerate(chunk):
             out.add(s, aux[i], final[i])

@@ -5,14 +5,16 @@
   b1=0.9, b2=0.999, eps=1e-8, no weight decay); `lr_schedule="constant"`: the same linear warmup,
   then the peak lr to the end (min_lr_frac unused).
 - Precision: fp32 master weights and optimizer state; the forward/backward runs on a copy cast to
-  `compute_dtype` (bf16 by default); softmaxes and loss sums in fp32.
+  `compute_dtype` (bf16 by default); softmaxes and loss sums in fp32. `compute_dtype="float64"`
+  (with JAX x64, for parity tests) keeps the masters in float64 too.
 - Global batch = `global_batch` sequences per optimizer step, as `global_batch / micro_batch`
   micro-batches accumulated in one jitted `lax.scan`; gradients of the loss NUMERATORS are summed
   and divided once by the pooled weight of the whole global batch (docs/architecture.md §4.9).
 - Frozen: the target's embedding table and lm_head are inputs, not draft parameters.
 - Sharding: every draft parameter and its AdamW moments are placed by `sharding.LOGICAL_RULES` on
-  a (data, fsdp, tensor) mesh (default: all devices on "fsdp"); batches split over data x fsdp
-  when the micro-batch divides.
+  a (data, fsdp, tensor) mesh (`train_mesh.training_mesh`; default: one device); batches split
+  over data x fsdp when the micro-batch divides. The online teacher runs where the target was
+  placed (with a tensor axis: split as in serving, `train_mesh.TEACHER_RULES`).
 - Teacher: online (target prefill inside the same jitted step) or offline (`teacher.ShardStream`).
 - Checkpoints: an Orbax `CheckpointManager` under `<run_dir>/checkpoints` holding
   {params, opt_state, step} and a JSON item with the data position; a restart restores the latest
@@ -272,17 +274,30 @@ class Trainer:
             init_draft = sharding_lib.create_sharded(
                 lambda: K3DSparkModel(draft_cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed)), self.mesh)
         self.graphdef, self.template, self.rest, params = draft_split(init_draft)
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        master = jnp.float64 if self.compute_dtype == jnp.float64 else jnp.float32
+        self._sums_dtype = master          # the loss terms' dtype (float32 for a bf16 draft too)
         shardings = sharding_lib.param_shardings(self.template, self.mesh)
         self.param_shardings = _stringify(nnx.to_pure_dict(shardings))
-        # a copy: the step donates its state, the caller's draft must stay valid
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
-        opt_abstract = jax.eval_shape(self.tx.init, params)
         replicated = NamedSharding(self.mesh, P())
+        # an abstract draft (ShapeDtypeStructs): a plan's trainer, whose step is only compiled
+        self.abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        if self.abstract:
+            params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, master, sharding=s), params,
+                                  self.param_shardings)
+        else:
+            # a copy: the step donates its state, the caller's draft must stay valid
+            params = jax.device_put(jax.tree.map(lambda x: x.astype(master), params), self.param_shardings,
+                                    may_alias=False)
+        opt_abstract = jax.eval_shape(self.tx.init, params)
         self.opt_shardings = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, self.param_shardings,
                                                    transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
+        if self.abstract:
+            opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_abstract,
+                                     self.opt_shardings)
+            self.state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+        else:
+            opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+            self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
         self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, replicated)
 
         self.aux_ids = tuple(draft_cfg.target_layer_ids)
@@ -313,8 +328,10 @@ class Trainer:
         return loss_lib.distill_outputs(draft, embed.astype(cd), head.astype(cd), mb["input_ids"], mb["loss_mask"],
                                         teacher.aux_BSA, teacher.final_hidden_BSH, key, self.cfg.loss).sums
 
-    def _train_step(self, state: TrainState, batch: Mapping[str, jax.Array], frozen):
-        key = jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), state.step)
+    def _gradients(self, params: Mapping, batch: Mapping[str, jax.Array], frozen, step: jax.Array):
+        """(gradient of the global batch's mean loss, its loss sums): the micro-batches' numerator
+        gradients accumulated in a scan, divided once by the pooled weight."""
+        key = jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), step)
         m = batch["input_ids"].shape[0]
 
         def micro(carry, xs):
@@ -325,19 +342,32 @@ class Trainer:
                 sums = self.batch_sums(params, mb, frozen, jax.random.fold_in(key, i))
                 return sums.numerator, sums
 
-            g, sums = jax.grad(numerator, has_aux=True)(state.params)
+            g, sums = jax.grad(numerator, has_aux=True)(params)
             return (jax.tree.map(jnp.add, g_acc, g), loss_lib.add_sums(s_acc, sums)), None
 
-        zero_g = jax.tree.map(jnp.zeros_like, state.params)
-        (g, sums), _ = jax.lax.scan(micro, (zero_g, loss_lib.zero_sums(self.cfg.loss)),
+        zero_g = jax.tree.map(jnp.zeros_like, params)
+        (g, sums), _ = jax.lax.scan(micro, (zero_g, loss_lib.zero_sums(self.cfg.loss, self._sums_dtype)),
                                     (batch, jnp.arange(m)))
-        g = jax.tree.map(lambda x: x / jnp.maximum(sums.weight, 1e-6), g)
+        return jax.tree.map(lambda x: x / jnp.maximum(sums.weight, 1e-6), g), sums
+
+    def _train_step(self, state: TrainState, batch: Mapping[str, jax.Array], frozen):
+        g, sums = self._gradients(state.params, batch, frozen, state.step)
         updates, opt_state = self.tx.update(g, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = loss_lib.metrics_from_sums(sums, self.cfg.loss)
         metrics["grad_norm"] = optax.global_norm(g)
         metrics["lr"] = self.schedule(state.step)
         return TrainState(params, opt_state, state.step + 1), metrics
+
+    def lower_step(self, batch: Mapping[str, jax.ShapeDtypeStruct]):
+        """The training step lowered for abstract state and batch (`jax.stages.Lowered`): a plan
+        compiles it for its memory and cost analyses."""
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_batch_sharding(self.mesh, self.cfg.micro_batch,
+                                                                                    len(v.shape)))
+                 for k, v in batch.items()}
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                             self.state_shardings)
+        return self._step_fn.lower(state, batch, self.frozen)
 
     def device_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.device_put(v, _batch_sharding(self.mesh, self.cfg.micro_batch, v.ndim))
@@ -347,6 +377,12 @@ class Trainer:
         self.state, metrics = self._step_fn(self.state, self.device_batch(batch), self.frozen)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
+    def gradients(self, batch: Mapping[str, np.ndarray]) -> tuple[dict, loss_lib.LossSums]:
+        """The next step's gradient (host arrays, the params' tree) and loss sums, without updating
+        (what a sharded run must agree on with one device: tests)."""
+        fn = jax.jit(self._gradients, out_shardings=(self.param_shardings, None))
+        return jax.device_get(fn(self.state.params, self.device_batch(batch), self.frozen, self.state.step))
+
     def eval_sums(self, batch: Mapping[str, np.ndarray], step: int) -> loss_lib.LossSums:
         """Sums of a global batch at the current parameters, without updating (tests, eval)."""
         key = jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), step)
@@ -354,7 +390,7 @@ class Trainer:
 
         @jax.jit
         def run(params, batch, frozen):
-            total = loss_lib.zero_sums(self.cfg.loss)
+            total = loss_lib.zero_sums(self.cfg.loss, self._sums_dtype)
             for i in range(batch["input_ids"].shape[0]):
                 mb = {k: v[i] for k, v in batch.items()}
                 total = loss_lib.add_sums(total, self.batch_sums(params, mb, frozen, jax.random.fold_in(key, i)))
