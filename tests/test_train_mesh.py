@@ -114,19 +114,21 @@ def test_a_tensor_parallel_step_equals_one_device_in_float64(k3_dir):
 
 
 def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
-    """train.regen's library path (generate() with continuous batching) on a --tp 4 --dp 2 mesh:
-    the same greedy answers as on one device (float32)."""
+    """train.regen's library path (continuous batching) on a --tp 4 --dp 2 mesh with chunked
+    prefill (3-token chunks: each prompt goes in over several steps): the same greedy answers as whole
+    prompts on one device (float32)."""
     # two prompts of one length in one batch: few programs to compile per mesh
     records = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": text}]}
                for i, text in enumerate(("qqqq", "abcd"))]
     settings = regen.RegenSettings(target="tiny-k3", max_new_tokens=8, temperature=0.0, seed=0,
                                    chat_template_sha256="x")
     answers = {}
-    for name, tp, dp in (("one", 1, 1), ("tp", 4, 2)):
+    for name, tp, dp, budget in (("one", 1, 1, None), ("tp", 4, 2, 3)):
         mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
         target = load_target(k3_dir, dtype=jnp.float32, mesh=mesh)
         out = tmp_path / f"{name}.jsonl"
-        regen.regenerate(target, CharTokenizer(), records, out, settings=settings, batch_size=2)
+        regen.regenerate(target, CharTokenizer(), records, out, settings=settings, batch_size=2,
+                         max_num_batched_tokens=budget)
         answers[name] = {r["id"]: r["answer_ids"] for r in regen.read_cache(out)}
     assert answers["tp"] == answers["one"] and len(answers["one"]) == 2
     assert len({tuple(a) for a in answers["one"].values()}) > 1
@@ -138,7 +140,7 @@ def test_offline_teacher_shards_with_the_target_split_equal_one_device(k3_dir, t
     samples = _samples(4, 20, 96, seed=3)
     got = {}
     with x64():
-        for name, tp, dp in (("one", 1, 1), ("tp", 4, 2)):
+        for name, tp, dp, budget in (("one", 1, 1, None), ("tp", 4, 2, 3)):
             mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
             target = load_target(k3_dir, dtype=jnp.float64, mesh=mesh, rules=TEACHER_RULES)
             meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=(0, 2, 4), hidden_size=32,

@@ -44,6 +44,9 @@ flags.DEFINE_integer("max_new_tokens", 256, "Answer length limit.", lower_bound=
 flags.DEFINE_integer("batch_size", 8, "Sequences decoded at once (continuous batching).", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Prompt tokens prefilled per engine step: longer prompts go in "
+                     "chunk by chunk (as serve.server does; needed where a whole prompt's activations do not fit, "
+                     "e.g. Kimi-K3); unset: whole prompts. Greedy answers are the same either way.", lower_bound=1)
 flags.DEFINE_integer("min_loss_tokens", regen.MIN_LOSS_TOKENS, "Answers shorter than this are not kept.")
 flags.DEFINE_list("first_sources", [], "Answer these pool sources first, in this order (e.g. gsm8k_train); "
                   "the rest follow in pool order. --limit and --snapshot count in this order.")
@@ -108,7 +111,8 @@ def main(argv: list[str]) -> None:
             log(f"restored {n} answers from {FLAGS.archive}")
     on_write = (lambda: regen.archive_cache(out, FLAGS.archive)) if FLAGS.archive else None
     counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
-                              batch_size=FLAGS.batch_size, log=log, on_write=on_write, deadline=deadline)
+                              batch_size=FLAGS.batch_size, log=log, on_write=on_write, deadline=deadline,
+                              max_num_batched_tokens=FLAGS.max_num_batched_tokens)
     cached = regen.read_cache(out)
     if FLAGS.archive and num_shards == 1 and {r["id"] for r in cached} >= {r["id"] for r in pool}:
         n = regen.archive_cache(out, FLAGS.archive, complete=True)   # the whole pool: its tail too

@@ -253,17 +253,21 @@ def check_meta(path: Path, settings) -> None:
 def regenerate(target, tokenizer, records: Sequence[Mapping[str, Any]], out: str | os.PathLike, *,
                settings: RegenSettings, batch_size: int = 8,
                log: Callable[[str], None] | None = None, on_write: Callable[[], Any] | None = None,
-               deadline: float | None = None) -> dict:
+               deadline: float | None = None, max_num_batched_tokens: int | None = None) -> dict:
     """Answer every record not yet in the cache `out` and append them. Returns counts.
     `on_write()` runs after each progress line and at the end (e.g. `archive_cache`). At `deadline`
     (a `time.time()`), no further prompt starts and the running ones finish: the answered prompts
     stay the records' first ones, in order (counts["unanswered"] the rest). The target's
     compute dtype is recorded on every answer: greedy answers of a bf16 and an f32 target part ways
-    now and then, and one cache may hold both (a resume with the other --dtype)."""
+    now and then, and one cache may hold both (a resume with the other --dtype).
+    `max_num_batched_tokens`: prompt tokens prefilled per engine step (a longer prompt goes in chunk
+    by chunk, as in serving: a whole long prompt may not fit a large target's activations); None:
+    whole prompts. Greedy answers are the same either way."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
-        counts = _regenerate(target, tokenizer, records, out, settings, batch_size, log, on_write, deadline)
+        counts = _regenerate(target, tokenizer, records, out, settings, batch_size, log, on_write, deadline,
+                             max_num_batched_tokens)
         if on_write is not None:
             on_write()
         return counts
@@ -284,7 +288,7 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 
 def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, batch_size: int, log,
-                on_write, deadline: float | None) -> dict:
+                on_write, deadline: float | None, max_num_batched_tokens: int | None = None) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
     from dspark_jax.batcher import Batcher, Request, pow2
@@ -310,7 +314,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     eos = frozenset(eos_ids(target, tokenizer))
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature)
     dtype = np.dtype(engine.compute_dtype).name
-    batcher = Batcher(engine, batch_size, max_len, seed=settings.seed)
+    batcher = Batcher(engine, batch_size, max_len, seed=settings.seed, max_num_batched_tokens=max_num_batched_tokens)
     for i, p in enumerate(prompts):
         batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
     t0 = last_log = time.time()
