@@ -25,7 +25,8 @@ def test_tiny_plan_compiles_online_and_offline():
     on, off = plans[True], plans[False]
     assert on.mesh == {"data": 2, "fsdp": 1, "tensor": 4}
     for p in (on, off):
-        assert p.argument_bytes > 0 and p.temp_bytes > 0 and p.flops > 0 and p.peak_bytes > p.argument_bytes
+        assert p.program.argument_bytes > 0 and p.program.temp_bytes > 0 and p.flops > 0
+        assert p.peak_bytes > p.program.argument_bytes
     assert off.flops < on.flops                          # the teacher's forward is not in the offline step
     assert on.shard_bytes_per_token == (3 + 1) * 32 * 4 + 5
     lines = train_plan.format_train_plan(on)

@@ -32,11 +32,11 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
+from dspark_jax.plan import GIB, ProgramReport
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
 
-GIB = 2**30
 # Vendors' stated peak dense bf16 matrix rates, FLOP/s per device (no sparsity).
 PEAK_BF16_FLOPS = {"MI355X": 2.5e15, "H200": 0.989e15}
 
@@ -61,19 +61,14 @@ class TrainPlan:
     shape: TrainShape
     mesh: dict
     draft_params: int
-    lower_s: float
-    compile_s: float
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
+    program: ProgramReport       # the step's compile times and XLA's per-device buffer assignment
     flops: float                 # per device, XLA's cost analysis of the partitioned step
     shard_bytes_per_token: int   # offline teacher shards
     capacity_gib: float = 288.0
 
     @property
     def peak_bytes(self) -> int:
-        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+        return self.program.peak_bytes(0)
 
     def step_seconds(self, device: str) -> float:
         return self.flops / PEAK_BF16_FLOPS[device]
@@ -136,22 +131,23 @@ def build_train_plan(cfg: KimiConfig, draft_cfg: DraftConfig, shape: TrainShape,
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return TrainPlan(shape, dict(mesh.shape), int(n_params), t1 - t0, t2 - t1, int(mem.argument_size_in_bytes),
-                     int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
-                     float(cost.get("flops", 0.0)), shard_bytes_per_token(cfg, draft_cfg, shape.target_dtype))
+    program = ProgramReport("step", "one distillation step", t1 - t0, t2 - t1, int(mem.argument_size_in_bytes),
+                            int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
+    return TrainPlan(shape, dict(mesh.shape), int(n_params), program, float(cost.get("flops", 0.0)),
+                     shard_bytes_per_token(cfg, draft_cfg, shape.target_dtype))
 
 
 def format_train_plan(plan: TrainPlan) -> list[str]:
-    s = plan.shape
+    s, p = plan.shape, plan.program
     gib = lambda n: f"{n / GIB:8.2f}"
     lines = [f"distillation step, {'online' if s.online else 'offline'} teacher: mesh "
              + " x ".join(f"{k} {v}" for k, v in plan.mesh.items())
              + f"; {s.accum_steps} x {s.micro_batch} sequences of {s.seq_len} tokens, {s.num_anchors} anchors, "
              f"block {s.block_size}; draft {plan.draft_params:,} parameters (fp32 master + AdamW), "
              f"teacher {s.target_dtype}, compute {s.compute_dtype}",
-             f"XLA:CPU AOT: lowered in {plan.lower_s:.1f} s, compiled in {plan.compile_s:.1f} s",
-             "per device (GiB): arguments" + gib(plan.argument_bytes) + "  temporaries" + gib(plan.temp_bytes)
-             + "  outputs" + gib(plan.output_bytes) + "  aliased" + gib(plan.alias_bytes),
+             f"XLA:CPU AOT: lowered in {p.lower_s:.1f} s, compiled in {p.compile_s:.1f} s",
+             "per device (GiB): arguments" + gib(p.argument_bytes) + "  temporaries" + gib(p.temp_bytes)
+             + "  outputs" + gib(p.output_bytes) + "  aliased" + gib(p.alias_bytes),
              f"FLOPs per step per device (XLA cost analysis, loop bodies counted once: a lower bound): "
              f"{plan.flops:.3e}"]
     for device, peak in PEAK_BF16_FLOPS.items():
