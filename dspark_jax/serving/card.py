@@ -158,7 +158,8 @@ class Journal:
                  "stats": {"total_draft_tokens": stats.total_draft_tokens,
                            "total_accepted_tokens": stats.total_accepted_tokens,
                            "distribution": stats.distribution,
-                           "accepted_at_position": stats.accepted_at_position}}
+                           "accepted_at_position": stats.accepted_at_position,
+                           "plain_steps": stats.plain_steps, "length_counts": stats.length_counts}}
         self.done[record["id"]] = entry
         self._write(entry)
 
