@@ -323,11 +323,14 @@ def propose(engine, t_state, d_state, x0_B: jax.Array, lens_B: jax.Array, pool: 
 # building the plan
 
 
-def _compile(name: str, description: str, fn, args, progress: Progress | None, **jit_kw) -> ProgramReport:
+def compile_program(name: str, description: str, lower: Callable[[], "jax.stages.Lowered"],
+                    progress: Progress | None) -> tuple[ProgramReport, "jax.stages.Compiled"]:
+    """Lower (`lower()`) and compile one program ahead of time, with progress lines; its report
+    (times, XLA's per-device buffer assignment) and the compiled program. Shared with train.plan."""
     if progress:
         progress(f"{name}: lowering")
     t0 = time.perf_counter()
-    lowered = jax.jit(fn, **jit_kw).lower(*args)
+    lowered = lower()
     t1 = time.perf_counter()
     if progress:
         progress(f"{name}: lowered in {t1 - t0:.0f} s; compiling")
@@ -336,8 +339,13 @@ def _compile(name: str, description: str, fn, args, progress: Progress | None, *
     mem = compiled.memory_analysis()
     if progress:
         progress(f"{name}: compiled in {t2 - t1:.0f} s")
-    return ProgramReport(name, description, t1 - t0, t2 - t1, int(mem.argument_size_in_bytes),
-                         int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
+    report = ProgramReport(name, description, t1 - t0, t2 - t1, int(mem.argument_size_in_bytes),
+                           int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
+    return report, compiled
+
+
+def _compile(name: str, description: str, fn, args, progress: Progress | None, **jit_kw) -> ProgramReport:
+    return compile_program(name, description, lambda: jax.jit(fn, **jit_kw).lower(*args), progress)[0]
 
 
 def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingShape, *,

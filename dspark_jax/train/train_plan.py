@@ -22,7 +22,6 @@ temporaries are an upper bound for a GPU's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable
 
 import jax
@@ -32,7 +31,7 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
-from dspark_jax.plan import GIB, ProgramReport
+from dspark_jax.plan import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
@@ -119,20 +118,11 @@ def build_train_plan(cfg: KimiConfig, draft_cfg: DraftConfig, shape: TrainShape,
         batch["aux"] = jax.ShapeDtypeStruct((m, b, s, len(draft_cfg.target_layer_ids) * cfg.hidden_size), dt)
         batch["final"] = jax.ShapeDtypeStruct((m, b, s, cfg.hidden_size), dt)
     if progress:
-        progress(f"{train_mesh.describe(mesh)}: lowering the {'online' if shape.online else 'offline'} step")
-    t0 = time.perf_counter()
+        progress(f"{train_mesh.describe(mesh)}: the {'online' if shape.online else 'offline'} step")
     with jax.set_mesh(mesh):
-        lowered = tr.lower_step(batch)
-        t1 = time.perf_counter()
-        if progress:
-            progress(f"lowered in {t1 - t0:.0f} s; compiling")
-        compiled = lowered.compile()
-    t2 = time.perf_counter()
-    mem = compiled.memory_analysis()
+        program, compiled = compile_program("step", "one distillation step", lambda: tr.lower_step(batch), progress)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    program = ProgramReport("step", "one distillation step", t1 - t0, t2 - t1, int(mem.argument_size_in_bytes),
-                            int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
     return TrainPlan(shape, dict(mesh.shape), int(n_params), program, float(cost.get("flops", 0.0)),
                      shard_bytes_per_token(cfg, draft_cfg, shape.target_dtype))
 
