@@ -17,7 +17,8 @@ their slot numbers (`Engine.step_fn`'s `rows_B`).
 Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
 measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
 "fixed"`: always T). A bucket whose costs are not known yet is measured when first met
-(`measure_step_costs`, a few timed steps on padding rows per length), once per host and model.
+(`measure_step_costs`, a few timed steps on padding rows per length), once per host and model;
+the wall time of every step run then corrects those figures (`StepTimes`).
 """
 
 from __future__ import annotations
@@ -130,15 +131,19 @@ class Batcher:
         """The lengths steps can verify (what the warm-up compiles)."""
         return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
 
-    def choose_length(self, rows: int) -> int:
-        """The speculation length of a step over `rows` rows (a batch bucket); measures the
-        bucket's step costs first if they are not known yet."""
+    def choose_length(self, rows: int, span: int | None = None) -> int:
+        """The speculation length of a step over `rows` rows (a batch bucket) whose speculative span
+        bucket is `span`; measures the bucket's step costs first if they are not known yet. Measured
+        costs are corrected by the steps run so far (`StepTimes`)."""
         if not self.adaptive:
             return self.lengths[0]
         costs = self.step_costs.get(rows, self.lengths)
         if costs is None:
             costs = self.measure_step_costs(rows)
-        return choose_length(self.engine.acceptance, costs)
+        unseen = ()
+        if self.step_costs.measured:
+            costs, unseen = self.engine.step_times.corrected(rows, span or self.max_len, costs)
+        return choose_length(self.engine.acceptance, costs, unseen)
 
     def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
         """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
@@ -318,7 +323,10 @@ class Batcher:
         x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
         x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
         t = self.engine.t
-        length = self.choose_length(len(rows)) if t else 0
+        # costs are keyed by the span a speculative step would see (the same key for every length)
+        key_span = self._span(int(lens[:m].max()) + t + 1) or self.max_len
+        length = self.choose_length(len(rows), key_span) if t else 0
+        started = time.perf_counter()
         # a one-token step needs no room for drafts: the span bucket a plain engine would use
         span = self._span(int(lens[:m].max()) + (t if length else 0) + 1)
         drafts = None
@@ -351,6 +359,8 @@ class Batcher:
             if r.finish_reason is None and self.lens[i] >= self.max_len:
                 self._finish(r, "length")      # the next anchor has no cache position left
             touched.append(r)
+        if t:
+            self.engine.step_times.observe(len(rows), key_span, length, time.perf_counter() - started)
         return touched
 
     def batch_rows(self, slots: Sequence[int]) -> np.ndarray:

@@ -14,7 +14,7 @@ static setting (sampling, span, width) and batch shape; its rows name their cach
 computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
 warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
-keeps what it chooses the speculation length from (`acceptance`, `step_costs()`,
+keeps what it chooses the speculation length from (`acceptance`, `step_costs()`, `step_times`,
 `dspark_jax.spec_length`), shared by every batcher that drives it.
 """
 
@@ -34,7 +34,7 @@ from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.sampling import sample_tokens
 from dspark_jax.sharding import logical_to_spec
-from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, costs_for
+from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
 
 
 def embed_and_head(target):
@@ -74,6 +74,7 @@ class Engine:
             self._check_pair(target, draft)
         # pooled acceptance per draft position, what the speculation length is chosen from
         self.acceptance = AcceptanceEstimate(self.t)
+        self.step_times = StepTimes()        # what its steps took, host loop included
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)

@@ -9,6 +9,7 @@ same code (`EngineConfig.for_pair`).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -119,18 +120,24 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     return GenerateResult(outputs, total.to_dict())
 
 
-# compiled engines per target, so repeated generate() calls do not recompile
-_ENGINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+# compiled engines of the most recently used targets, so repeated generate() calls do not
+# recompile. An engine holds its target, so a mapping weakly keyed by the target would never drop
+# an entry (each target ever passed would stay alive, with its engines and their programs); the
+# cache holds the engines of the last few targets instead.
+MAX_CACHED_TARGETS = 4
+_ENGINES: "collections.OrderedDict[int, tuple[Any, dict]]" = collections.OrderedDict()
 
 
 def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, top_p: float = 1.0) -> Engine:
-    """The Engine for one setting, kept per target, so repeated `generate()` calls (and regen,
-    benchmarks) reuse its compiled programs."""
-    per_target = _ENGINES.setdefault(target, {})
-    # the kernel mode and the paged-kernel crossover are read when a step is traced, so they are
-    # part of what a compiled engine is; slots, capacity, the speculation length and the prefill
-    # chunk are the batcher's (fixed and adaptive calls share the engine: its programs and its
-    # measured acceptance)
+    """The Engine for one setting, kept per target (the last `MAX_CACHED_TARGETS`), so repeated
+    `generate()` calls (and regen, benchmarks) reuse its compiled programs."""
+    entry = _ENGINES.get(id(target))
+    if entry is None or entry[0] is not target:
+        entry = _ENGINES[id(target)] = (target, {})
+    _ENGINES.move_to_end(id(target))
+    while len(_ENGINES) > MAX_CACHED_TARGETS:
+        _ENGINES.popitem(last=False)
+    per_target = entry[1]
     programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None,
                               max_num_batched_tokens=None)
     key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())

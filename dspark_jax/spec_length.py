@@ -14,7 +14,13 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
   pair's configs, the dtypes, T and the page size.
-- `choose_length`: the argmax.
+- `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
+  bucket, span bucket and L. A measured table times the program alone, on padding rows, at one
+  span; what a step costs in the loop can differ by more than the margin between two lengths, so
+  the observed medians replace the table's figures, and the table, scaled by what was observed
+  beside it, stands in for a length not run yet at that bucket.
+- `choose_length`: the argmax; a length not observed yet whose estimate comes within
+  `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement.
 
 `$DSPARK_STEP_COSTS` overrides where the tables live: a directory, "off" (measure, keep in memory
 only) or "uniform" (assume every L costs the same as a one-token step: L is always T; what a
@@ -23,6 +29,7 @@ memory-bound accelerator at small batch amounts to, and what keeps test runs fro
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -37,6 +44,9 @@ log = logging.getLogger("dspark_jax")
 
 ENV_COSTS = "DSPARK_STEP_COSTS"
 SPECULATIVE_LENGTHS = ("adaptive", "fixed")
+# a length whose cost is only estimated is tried when its expected rate is within this factor of
+# the best one's (a length far behind is not worth a step to find out)
+EXPLORE_MARGIN = 0.85
 
 
 def candidate_lengths(t: int) -> tuple[int, ...]:
@@ -126,6 +136,11 @@ class StepCosts:
             json.dump(body, f, indent=1)
         os.replace(tmp, self.path)
 
+    @property
+    def measured(self) -> bool:
+        """Figures measured on this host (not a cost model given as a function, nor uniform)."""
+        return self.fn is None and not self.uniform
+
     def reachable(self, lengths) -> tuple[int, ...]:
         """The lengths `choose_length` can pick (all of them unless costs are uniform)."""
         return (max(lengths),) if self.uniform else tuple(lengths)
@@ -143,6 +158,40 @@ class StepCosts:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return cls(table, path=path, key=key)
+
+
+class StepTimes:
+    """Wall seconds of the decode steps an engine ran, host work included, by (batch bucket, span
+    bucket, length): the last `window` of each. The first step of each key is not kept: it
+    compiles or loads its program. A key counts as observed from `min_seen` steps on."""
+
+    def __init__(self, window: int = 16, min_seen: int = 2):
+        self.window, self.min_seen = window, min_seen
+        self._times: dict[tuple, collections.deque] = {}
+
+    def observe(self, rows: int, span: int, length: int, seconds: float) -> None:
+        key = (rows, span, length)
+        if key not in self._times:
+            self._times[key] = collections.deque(maxlen=self.window)     # the first one: compiling
+            return
+        self._times[key].append(seconds)
+
+    def seen(self) -> dict[tuple, int]:
+        """Steps kept per (rows, span, length)."""
+        return {k: len(v) for k, v in self._times.items()}
+
+    def median(self, rows: int, span: int, length: int) -> float | None:
+        got = self._times.get((rows, span, length))
+        return float(np.median(got)) if got is not None and len(got) >= self.min_seen else None
+
+    def corrected(self, rows: int, span: int, table: dict[int, float]) -> tuple[dict[int, float], tuple[int, ...]]:
+        """({length: seconds}, lengths not observed yet) for steps over `rows` rows at `span`: the
+        observed median where there is one, else the table's figure times the median ratio of
+        observed to table figures at this bucket (the table itself when nothing was observed)."""
+        seen = {n: m for n in table if (m := self.median(rows, span, n)) is not None}
+        scale = float(np.median([seen[n] / table[n] for n in seen])) if seen else 1.0
+        costs = {n: seen[n] if n in seen else table[n] * scale for n in table}
+        return costs, tuple(n for n in table if n not in seen)
 
 
 def costs_for(engine) -> StepCosts:
@@ -177,8 +226,13 @@ def cost_key(engine) -> dict:
             "serving_layout": engine.serving is not None, "kernels": kernel_mode()}
 
 
-def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float]) -> int:
+def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),
+                  margin: float = EXPLORE_MARGIN) -> int:
     """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
-    are the same for every L); the shorter one among equals."""
+    are the same for every L); the shorter one among equals. Among `unseen` lengths (costs only
+    estimated), the best one within `margin` of the best rate goes first: running it measures it."""
     expected = acceptance.expected_accepted(costs)
-    return max(costs, key=lambda n: ((1.0 + expected[n]) / costs[n], -n))
+    rate = {n: (1.0 + expected[n]) / costs[n] for n in costs}
+    best = max(costs, key=lambda n: (rate[n], -n))
+    trial = [n for n in unseen if n != best and rate[n] >= margin * rate[best]]
+    return max(trial, key=lambda n: (rate[n], -n)) if trial else best

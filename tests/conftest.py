@@ -34,6 +34,19 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return presets.resolve_model_path("smollm2-135m")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs_after_each_module():
+    """A worker runs a couple of hundred test modules in one process: without this, every program
+    they compiled stays in memory until the end of the run (several GB per worker)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _float64_stays_inside_its_test():
     """Float64 parity tests enable JAX x64 only inside a `with` block (tests/float64.py); a test

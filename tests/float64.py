@@ -11,6 +11,8 @@ tolerance is float64 rounding and not the summation order of one CPU's float32 k
   RoPE angles): under `.double()` alone they would still round to float32 there, so a float64
   comparison needs the mode. The reference code itself runs unchanged.
 - `assert_close(got, want, what)`: max |got - want| <= RTOL * max |want| over the tensor.
+- `assert_f32_close(got, want, what)`: the same bound at F32_RTOL, for float32 results of two
+  programs that compute the same values in different summation orders.
 - `share_rope_table(hf_rotary, rope)`: RoPE frequency tables are float32 by definition on both
   sides; after checking they agree to TABLE_ULPS, the reference gets ours, so a float64 comparison
   is not decided by the last bit of two pow() implementations.
@@ -96,6 +98,21 @@ def assert_close(got, want, what: str, rtol: float = RTOL) -> float:
         assert np.dtype(a.dtype) == np.float64, f"{what}: {name} is {a.dtype}, not float64"
     err = rel_err(got, want)
     assert err <= rtol, f"{what}: max|diff|/max|ref| = {err:.2e} > {rtol:.0e}"
+    return err
+
+
+# Two float32 programs computing the same rows in different shapes (a one-token and a T+1-token
+# step, a chunked and a whole prefill, ours and torch's) sum in different orders: a dot of length
+# K moves by up to ~K eps32 (6e-8) of the sum of |terms|, and the few layers of a tiny model
+# compound it, so ~1e-4 of the largest value bounds it on any CPU (observed: 4e-6). A wrong,
+# stale or missing row differs by O(1) of that value.
+F32_RTOL = 2.0 ** -13
+
+
+def assert_f32_close(got, want, what: str, rtol: float = F32_RTOL) -> float:
+    """max |got - want| <= rtol * max |want| for float32 results of two equivalent programs."""
+    err = rel_err(got, want)
+    assert err <= rtol, f"{what}: max|diff|/max|ref| = {err:.2e} > {rtol:.1e}"
     return err
 
 

@@ -360,3 +360,28 @@ def test_speculative_sampling_with_a_shorter_length_matches_target():
     st = res.stats
     assert st["verify_length_counts"]["1"] == st["num_verify_steps"] > 0 and st["num_plain_steps"] == 0
     assert st["total_accepted_tokens"] > 0
+
+
+def test_engine_cache_keeps_the_last_targets_and_lets_older_ones_go(monkeypatch):
+    """generate() reuses a target's compiled engine on the next call, and keeps the engines of the
+    last MAX_CACHED_TARGETS targets only: an engine holds its target, so a target that has dropped
+    out of the cache, and that nothing else holds, is freed with its engines."""
+    import gc
+    import importlib
+    import weakref
+
+    generate_lib = importlib.import_module("dspark_jax.generate")
+    monkeypatch.setattr(generate_lib, "MAX_CACHED_TARGETS", 1)
+    monkeypatch.setattr(generate_lib, "_ENGINES", type(generate_lib._ENGINES)())
+    first, second = tiny_llama(0), tiny_llama(1)
+    p = prompts(1, first.cfg.vocab_size, seed=5)
+    generate(first, None, p, max_new_tokens=2)
+    engine = generate_lib.engine_for(first, None, EngineConfig(num_speculative_tokens=0))
+    generate(first, None, p, max_new_tokens=2)
+    assert generate_lib.engine_for(first, None, EngineConfig(num_speculative_tokens=0)) is engine
+    gone = weakref.ref(first)
+    del first, engine
+    generate(second, None, p, max_new_tokens=2)
+    gc.collect()
+    assert gone() is None
+    assert [t for t, _ in generate_lib._ENGINES.values()] == [second]

@@ -14,8 +14,8 @@ from dspark_jax import warmup
 from dspark_jax.batcher import Batcher, Request
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, candidate_lengths, choose_length,
-                                    costs_for)
+from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
+                                    choose_length, costs_for)
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -71,6 +71,44 @@ def test_choose_length_is_the_brute_force_optimum():
     assert choose_length(est, {n: 1.0 + n for n in lengths}) == 0                # dear drafts: none
 
 
+def test_choose_length_first_runs_an_unmeasured_length_close_to_the_best():
+    est = AcceptanceEstimate(7, prior=0.5)          # E[accepted | L] = 0.5, 0.875, 0.992 for L = 1, 3, 7
+    costs = {0: 1.0, 1: 1.4, 3: 2.0, 7: 4.0}       # rates 1.0, 1.071, 0.938, 0.498
+    assert choose_length(est, costs) == 1
+    assert choose_length(est, costs, unseen=(0, 3)) == 0        # both within 0.85 of the best: the better
+    assert choose_length(est, costs, unseen=(3,)) == 3
+    assert choose_length(est, costs, unseen=(7,)) == 1          # far behind: not worth a step
+    assert choose_length(est, costs, unseen=(1,)) == 1          # the best itself
+    assert choose_length(est, costs, unseen=(0, 1, 3, 7), margin=1.0) == 1
+
+
+def test_step_times_replace_the_table_where_observed_and_scale_it_elsewhere():
+    times = StepTimes(window=4, min_seen=2)
+    table = {0: 1.0, 1: 1.5, 3: 2.0, 7: 3.0}
+    assert times.corrected(4, 128, table) == (table, (0, 1, 3, 7))
+    times.observe(4, 128, 1, 99.0)                  # a key's first step compiles: not kept
+    times.observe(4, 128, 1, 3.0)
+    assert times.corrected(4, 128, table) == (table, (0, 1, 3, 7))   # one step: not observed yet
+    times.observe(4, 128, 1, 3.4)
+    times.observe(4, 128, 1, 2.6)
+    costs, unseen = times.corrected(4, 128, table)
+    assert unseen == (0, 3, 7) and costs[1] == pytest.approx(3.0)
+    # the others scaled by observed / table = 2
+    assert costs[0] == pytest.approx(2.0) and costs[3] == pytest.approx(4.0) and costs[7] == pytest.approx(6.0)
+    times.observe(4, 128, 0, 5.0)
+    times.observe(4, 128, 0, 0.5)
+    times.observe(4, 128, 0, 0.7)
+    costs, unseen = times.corrected(4, 128, table)
+    # scale: the median of 3.0 / 1.5 and 0.6 / 1.0
+    assert unseen == (3, 7) and costs[0] == pytest.approx(0.6) and costs[7] == pytest.approx(3.0 * 1.3)
+    # another batch bucket or span bucket has its own times
+    assert times.corrected(2, 128, table) == (table, (0, 1, 3, 7))
+    assert times.corrected(4, 256, table) == (table, (0, 1, 3, 7))
+    for _ in range(4):                              # the window keeps the last steps
+        times.observe(4, 128, 1, 1.0)
+    assert times.median(4, 128, 1) == 1.0 and times.seen()[(4, 128, 1)] == 4
+
+
 def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     """A batch bucket met for the first time is measured (a few steps per length on padding rows,
     nothing written into the caches) and written as JSON under $DSPARK_STEP_COSTS, keyed by the
@@ -97,6 +135,9 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     ref = Batcher(Engine(target, None, EngineConfig(num_speculative_tokens=0)), 1, 128)
     p = prompts(1, target.cfg.vocab_size, seed=3)[0]
     assert again.run([Request(p, 10)])[0].tokens == ref.run([Request(p, 10)])[0].tokens
+    # the steps it ran are timed, by batch bucket, span bucket and length, to correct the table
+    seen = again.engine.step_times.seen()
+    assert seen and {k[:2] for k in seen} == {(1, 64)} and {k[2] for k in seen} <= {0, 1, 3}
     # another dtype or T is another table
     other = dict(costs_for(Engine(target, draft, EngineConfig(num_speculative_tokens=2))).key)
     assert other != body["key"] and other["num_speculative_tokens"] == 2
