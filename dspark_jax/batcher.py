@@ -43,7 +43,7 @@ _KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
 # Step costs are measured at the span bucket of this many positions: attention grows with the span
 # for every length alike, so the ratios between lengths that the choice uses hold at other spans
 COST_SPAN = 256
-COST_REPS = 3             # timed steps per (bucket, length); the fastest is kept
+COST_REPS = 5             # timed rounds over the lengths per bucket; the fastest of each is kept
 
 
 @dataclass(eq=False)
@@ -147,26 +147,33 @@ class Batcher:
 
     def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
         """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
-        to compile (or load) the program, then the fastest of `reps`; recorded in the step-cost
-        table (and its file). Logs a line per length: a first measurement compiles programs."""
-        costs = {}
+        per length to compile (or load) its program, then `reps` rounds over the lengths in turn
+        (a slow moment of the machine then hits every length alike), the fastest of each; recorded
+        in the step-cost table (and its file). Logs a line per length."""
         rows_B = np.full(rows, self.num_slots, np.int32)
         zeros = np.zeros(rows, np.int32)
         span = self._span(min(self.max_len, COST_SPAN))
         key = np.asarray(jax.random.PRNGKey(0))      # the requests' key stream stays as it is
-        for i, n in enumerate(self.lengths):
-            start = time.perf_counter()
-            times = []
+
+        def call(n: int) -> float:
             # an engine without a draft model verifies given drafts (an external proposer's)
             given = np.zeros((rows, n), np.int32) if self.engine.draft is None else None
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), span, 0.0, 1.0, given, n, key)
-                np.asarray(out[0])
-                times.append(time.perf_counter() - t0)
-            costs[n] = min(times[1:])
-            log.info("step costs, %d rows: length %d: %.2f ms (%d/%d, %.1f s with compilation)", rows, n,
-                     1e3 * costs[n], i + 1, len(self.lengths), time.perf_counter() - start)
+            t0 = time.perf_counter()
+            out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), span, 0.0, 1.0, given, n, key)
+            np.asarray(out[0])
+            return time.perf_counter() - t0
+
+        start = time.perf_counter()
+        for i, n in enumerate(self.lengths):
+            call(n)
+            log.info("step costs, %d rows: length %d compiled (%d/%d, %.1f s)", rows, n, i + 1, len(self.lengths),
+                     time.perf_counter() - start)
+        times = {n: [] for n in self.lengths}
+        for _ in range(reps):
+            for n in self.lengths:
+                times[n].append(call(n))
+        costs = {n: min(ts) for n, ts in times.items()}
+        log.info("step costs, %d rows: %s", rows, ", ".join(f"length {n} {1e3 * c:.2f} ms" for n, c in costs.items()))
         self.step_costs.put(rows, costs)
         return costs
 
