@@ -327,12 +327,9 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
         progress(f"abstract models built in {time.perf_counter() - t0:.1f} s")
     shapes = warmup.program_shapes(batcher, SERVER_SAMPLINGS)
     largest = largest_programs(shapes, t)
-    reports = []
-    with jax.set_mesh(mesh):
-        for kind, s in largest.items():
-            if kind in programs:
-                reports.append(compile_program(kind, describe(kind, s, batcher), program_call(batcher, s).lower,
-                                               progress)[0])
+    # no context mesh, as in serve.server: the programs find the mesh on their arguments' shardings
+    reports = [compile_program(kind, describe(kind, s, batcher), program_call(batcher, s).lower, progress)[0]
+               for kind, s in largest.items() if kind in programs]
     caches = batcher.engine.abstract_caches
     shardings = jax.tree.map(lambda x: x.sharding, caches)
     prefill = largest.get("prefill")
