@@ -3,7 +3,7 @@
 - `prefill`: new sequences' prompts, or chunks of them at their offsets, into their cache slots
   (only these rows run; a later chunk continues from the KDA state and attends to the rows the
   earlier chunks wrote), the first token sampled, the draft's context rows written.
-- `propose`: the draft's block pass alone (profiling and the deployment plan time it apart).
+- `propose`: the draft's block pass alone (profiling times it apart).
 - `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_L]` in one target forward
   (L = `width`, T by default; the block is always drafted whole, its attention being bidirectional),
   accept, commit the KDA snapshot of the last accepted token, write the verified tokens' draft
@@ -269,7 +269,7 @@ class Engine:
     def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
                    draft_head=None, temperature: float | None = None, top_p: float | None = None,
                    span: int | None = None):
-        """The draft's block pass alone (profiling and the deployment plan time it on its own).
+        """The draft's block pass alone (profiling times it on its own).
         `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
         its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)

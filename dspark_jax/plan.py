@@ -1,30 +1,34 @@
-"""Serving memory plan: does a target + DSpark draft fit a device mesh?
+"""Serving memory plan: does a target + DSpark draft fit a device mesh, with the server's own programs?
 
 Everything is abstract: the models are built with `params.abstract` (ShapeDtypeStructs, no
-weights), the caches with `jax.eval_shape`, and the serving programs are lowered and compiled
-ahead of time (`jax.jit(f).lower(abstract args).compile()`) for a mesh of fake CPU devices. The
-plan reports per weight class its sharding and per-device bytes, the cache bytes, and per program
-XLA's own per-device buffer assignment (`compiled.memory_analysis()`): arguments, outputs not
-aliased to donated inputs, and temporaries.
+weights), the caches with `jax.eval_shape`, and the programs are lowered and compiled ahead of
+time for a mesh of fake CPU devices. The plan reports per weight class its sharding and
+per-device bytes, the cache bytes, and per program XLA's own per-device buffer assignment
+(`compiled.memory_analysis()`): arguments, outputs not aliased to donated inputs, temporaries.
 
-Programs (caches are donated, as a server would):
-- `prefill`: one chunk of one sequence's prompt (`prefill_chunk`: `Engine.prefill_fn`'s body
-  at the chunk's positions, continuing the slot's KDA state: `steps.target_forward` in chunked-KDA
-  mode, the draft's context rows, the next token), on the full serving caches. Long prompts must
-  be prefilled chunk by chunk (a whole 16K-token prompt does not fit K3 on 8 x 288 GB); a chunk
-  costs the same at any offset (attention reads the whole logical cache under a mask).
-- `step`: one speculative decode step for the whole batch (`Engine.step_fn`: propose T drafts,
-  verify `[x0, d_1..d_T]` with per-token KDA snapshots, accept, commit, draft context rows).
-- `propose`: the draft's block pass alone (`steps.draft_block`), also part of `step`.
-The report's peak is the largest of `max(arguments, weights + caches) + temporaries + outputs not
-aliased to donated inputs` over the programs.
+The programs are the server's (`dspark_jax.plan_programs`): an `Engine` over the abstract weights
+(placed as `sharding.param_shardings` places them) and the engine's own cache shardings drives a
+`Batcher` with the serving flags (slots, `max_model_len`, `max_num_batched_tokens`, speculation
+length). `warmup.program_shapes` lists what that batcher can call (greedy and the API's default
+sampling, as `serve.server` warms up); the plan makes the batcher's own call for the largest shape
+of each kind (`warmup.call_program`), and the engine, instead of running it, hands back the jitted
+program (`Engine.prefill_jit` / `step_jit`) with exactly those arguments, which is then lowered
+and compiled:
+- `prefill`: one prompt chunk at the chunk width (`max_num_batched_tokens`) at the last offset a
+  longest prompt reaches, attending over every position (the largest span bucket);
+- `step`: a one-token step (width 0) of the largest batch bucket over every position;
+- `verify`: a step verifying T drafts (the longest speculation) at that batch and span.
+The rest of the list is counted, with an estimate of its compile time from the compile times
+measured here. The report's peak is the largest of `max(arguments, weights + caches) +
+temporaries + outputs not aliased to donated inputs` over the programs.
 
 The numbers are XLA:CPU's. XLA:CPU runs bf16 matmuls in f32 and keeps f32 copies of bf16
 weights as temporaries, and handles fp8 cache pages through f16 copies; a GPU build needs neither,
 so the temporaries here are an upper bound for the GPU's.
 
-One module although it is a little over 450 lines: the accounting (weight classes, caches,
-programs) and its report are one computation, read top to bottom.
+The plan also counts one MoE layer's FLOPs per device over the prefill chunk against the routed
+minimum (`plan_programs.moe_flops`: from shapes and shards, as XLA's cost analysis cannot see
+into the routed expert loop).
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax import steps
-from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
+from dspark_jax import warmup
+from dspark_jax.cache import TargetCaches
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.sampling import sample_tokens
+from dspark_jax.plan_programs import (PROGRAMS, SERVER_SAMPLINGS, MoEFlops, describe, largest_programs, moe_flops,
+                                      program_call, serving_batcher)
 
 GIB = 2**30
 # XLA flags for compiling without running: LLVM's optimisations change code speed, not buffers
@@ -116,8 +121,9 @@ def load_plan_configs(config: str, draft_config: str | None) -> tuple[KimiConfig
 @dataclasses.dataclass(frozen=True)
 class ServingShape:
     num_devices: int
-    engine: EngineConfig                  # T, cache dtype, page size, slots, max_model_len (required here)
-    prefill_chunk: int = 4096             # tokens of one sequence per prefill program
+    # T, cache dtype, page size, slots, max_model_len (required here), speculation length and the
+    # prefill chunk (max_num_batched_tokens), as the server takes them
+    engine: EngineConfig
 
     def __post_init__(self):
         if self.engine.max_model_len is None:
@@ -173,6 +179,9 @@ class Plan:
     programs: list[ProgramReport]
     capacity_gib: float
     usable_fraction: float
+    # the server's warm-up list (`warmup.program_shapes`) for these flags, by kind
+    warmup_programs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    moe: MoEFlops | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -250,26 +259,6 @@ def weight_groups(target, draft, mesh: Mesh) -> list[TensorGroup]:
 # abstract serving state
 
 
-def cache_shardings(caches: TargetCaches, mesh: Mesh) -> TargetCaches:
-    """The pool is replicated (every head reads the shared MLA latent rows, as with ATOM's TP);
-    KDA SSM states are split by head like the KDA weights; conv windows (q|k|v concatenated, small)
-    are replicated."""
-    def named(x, axes):
-        return NamedSharding(mesh, sharding_lib.logical_to_spec(axes, x.shape, mesh))
-
-    pool = PagedPool(named(caches.pool.pages, (None, None, None, None)),
-                     named(caches.pool.block_table, ("batch", None)))
-    kda = None
-    if caches.kda is not None:
-        kda = KDAStates(named(caches.kda.conv, (None, "batch", None, None)),
-                        named(caches.kda.ssm, (None, "batch", "heads", None, None)))
-    return TargetCaches(pool, kda)
-
-
-def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def cache_groups(caches: TargetCaches, shardings: TargetCaches) -> list[TensorGroup]:
     rows = [("KV pool (MLA + draft rows)", caches.pool.pages, shardings.pool.pages)]
     if caches.kda is not None:
@@ -281,42 +270,6 @@ def cache_groups(caches: TargetCaches, shardings: TargetCaches) -> list[TensorGr
         g.add(x.shape, x.dtype, s)
         out.append(g)
     return out
-
-
-def prefill_chunk(engine, t_state, d_state, tokens_BC: jax.Array, start_B: jax.Array, n_valid_B: jax.Array,
-                  slots_B: jax.Array, caches: TargetCaches, key: jax.Array):
-    """Prefill one chunk of B sequences' prompts, at positions start..start+C-1 (the first
-    `n_valid` tokens are real), into their cache slots of the full serving caches. Returns the
-    token sampled after each chunk's last valid token (the first generated token once the chunk
-    is the prompt's last) and the caches. Equal to `Engine.prefill_fn` over the whole prompt
-    when the chunks are fed in order."""
-    target, draft = engine.merge(t_state, d_state)
-    c = tokens_BC.shape[1]
-    positions = start_B[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
-    valid = jnp.arange(c)[None] < n_valid_B[:, None]
-    table = caches.pool.block_table
-    kda = caches.kda
-    view = TargetCaches(caches.pool._replace(block_table=table[slots_B]),
-                              None if kda is None else KDAStates(kda.conv[:, slots_B], kda.ssm[:, slots_B]))
-    out, view, _ = steps.target_forward(target, tokens_BC, positions, valid, view, engine.aux_ids,
-                                        verify=False)
-    pool = view.pool
-    if draft is not None:
-        pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
-    if kda is not None:
-        kda = KDAStates(kda.conv.at[:, slots_B].set(view.kda.conv), kda.ssm.at[:, slots_B].set(view.kda.ssm))
-    last = jnp.take_along_axis(out.logits, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
-    first = sample_tokens(last, engine.temperature, engine.top_p, key)
-    return first, TargetCaches(pool._replace(block_table=table), kda)
-
-
-def propose(engine, t_state, d_state, x0_B: jax.Array, lens_B: jax.Array, pool: PagedPool) -> steps.DraftProposal:
-    """The draft's block pass from the shared pool (the propose half of `Engine.step_fn`)."""
-    from dspark_jax.engine import embed_and_head
-
-    target, draft = engine.merge(t_state, d_state)
-    embed, head = embed_and_head(target)
-    return steps.draft_block(draft, embed, head, x0_B, lens_B, pool, target.attention_rows, engine.t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,20 +297,18 @@ def compile_program(name: str, description: str, lower: Callable[[], "jax.stages
     return report, compiled
 
 
-def _compile(name: str, description: str, fn, args, progress: Progress | None, **jit_kw) -> ProgramReport:
-    return compile_program(name, description, lambda: jax.jit(fn, **jit_kw).lower(*args), progress)[0]
-
-
 def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingShape, *,
                capacity_gib: float = 288.0, usable_fraction: float = 0.93,
-               programs: Sequence[str] = ("prefill", "step", "propose"),
-               progress: Progress | None = None) -> Plan:
+               programs: Sequence[str] = PROGRAMS, progress: Progress | None = None) -> Plan:
     """Build the models abstractly on a `tensor = num_devices` mesh (TP = EP = all devices, as
-    ATOM serves K3), compile the serving programs and collect the report."""
-    from dspark_jax.engine import Engine
+    ATOM serves K3), compile the largest of the server's programs of each kind in `programs`, count
+    its warm-up list, and collect the report."""
     from dspark_jax.models.dspark import K3DSparkModel
     from dspark_jax.models.kimi import KimiLinearModel
 
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"programs {sorted(unknown)}: the plan compiles {', '.join(PROGRAMS)}")
     devices = jax.devices()
     if len(devices) < shape.num_devices:
         raise ValueError(f"the plan needs {shape.num_devices} devices, JAX has {len(devices)} "
@@ -370,49 +321,21 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
         draft = params_lib.abstract(lambda: K3DSparkModel(draft_cfg, dtype=jnp.dtype(draft_cfg.dtype),
                                                           rngs=nnx.Rngs(0)))
     draft, config = shape.engine.for_pair(draft)
-    t_spec = config.num_speculative_tokens
-    engine = Engine(target, draft, config)
+    batcher = serving_batcher(target, draft, config, mesh)
+    t = batcher.engine.t
     if progress:
         progress(f"abstract models built in {time.perf_counter() - t0:.1f} s")
-
-    t_state = _with_shardings(engine.t_state, sharding_lib.param_shardings(engine.t_state, mesh))
-    d_state = None
-    if draft is not None:
-        d_state = _with_shardings(engine.d_state, sharding_lib.param_shardings(engine.d_state, mesh))
-    b, max_len = config.max_num_seqs, config.max_model_len
-    abstract_caches = jax.eval_shape(lambda: engine.new_caches(b, max_len))
-    c_shard = cache_shardings(abstract_caches, mesh)
-    caches = _with_shardings(abstract_caches, c_shard)
-
-    rep = NamedSharding(mesh, P())
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
-    reports = []
-    with jax.set_mesh(mesh):
-        if "prefill" in programs:
-            c = min(shape.prefill_chunk, max_len)
-            reports.append(_compile(
-                "prefill", f"one {c}-token chunk of one sequence (target + draft context rows)",
-                lambda ts, ds, tok, st, nv, sl, cc, k: prefill_chunk(engine, ts, ds, tok, st, nv, sl, cc, k),
-                (t_state, d_state, i32(1, c), i32(1), i32(1), i32(1), caches, key), progress,
-                donate_argnums=(6,), out_shardings=(rep, c_shard)))
-        if "step" in programs:
-            what = (f"decode step, {b} sequences: propose {t_spec} + verify {t_spec + 1} tokens"
-                    if t_spec else f"decode step, {b} sequences (no draft)")
-            reports.append(_compile(
-                "step", what,
-                lambda ts, ds, x0, lens, act, ml, cc, k: engine.step_fn(ts, ds, x0, None, lens, act, ml, cc, k,
-                                                                           temperature=0.0, top_p=1.0),
-                (t_state, d_state, i32(b), i32(b), jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=rep), i32(),
-                 caches, key), progress,
-                donate_argnums=(6,), out_shardings=(rep, rep, c_shard)))
-        if "propose" in programs and draft is not None:
-            reports.append(_compile(
-                "propose", f"draft block pass alone, {b} sequences x {t_spec} tokens",
-                lambda ts, ds, x0, lens, pool: propose(engine, ts, ds, x0, lens, pool),
-                (t_state, d_state, i32(b), i32(b), caches.pool), progress, donate_argnums=(4,)))
-    return Plan(shape, dict(mesh.shape), weight_groups(target, draft, mesh),
-                cache_groups(abstract_caches, c_shard), reports, capacity_gib, usable_fraction)
+    shapes = warmup.program_shapes(batcher, SERVER_SAMPLINGS)
+    largest = largest_programs(shapes, t)
+    # no context mesh, as in serve.server: the programs find the mesh on their arguments' shardings
+    reports = [compile_program(kind, describe(kind, s, batcher), program_call(batcher, s).lower, progress)[0]
+               for kind, s in largest.items() if kind in programs]
+    caches = batcher.engine.abstract_caches
+    shardings = jax.tree.map(lambda x: x.sharding, caches)
+    prefill = largest.get("prefill")
+    return Plan(shape, dict(mesh.shape), weight_groups(target, draft, mesh), cache_groups(caches, shardings),
+                reports, capacity_gib, usable_fraction, collections.Counter(s.kind for s in shapes),
+                None if prefill is None else moe_flops(target, mesh, prefill.rows * prefill.length))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +352,8 @@ def format_plan(plan: Plan, title: str) -> list[str]:
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
     lines = [f"{title}: {s.num_devices} devices, mesh {mesh}; max_model_len {e.max_model_len}, "
              f"max_num_seqs {e.max_num_seqs}, kv_cache_dtype {e.kv_cache_dtype}, block_size {e.page_size}, "
-             f"prefill chunk {s.prefill_chunk} tokens, {e.num_speculative_tokens} speculative tokens",
+             f"max_num_batched_tokens {e.max_num_batched_tokens}, {e.num_speculative_tokens} speculative tokens "
+             f"({e.speculative_length})",
              "",
              f"{'weights':<30} {'tensors':>7} {'GiB total':>10} {'GiB/device':>10}  dtype; sharding (tensors)"]
 
@@ -449,15 +373,17 @@ def format_plan(plan: Plan, title: str) -> list[str]:
     lines += ["", f"{'caches':<30} {'GiB total':>10} {'GiB/device':>10}  shape dtype; sharding"]
     lines += [row(g) for g in plan.caches]
     lines.append(f"{'persistent (weights + caches)':<30} {'':>10} {_gib(plan.persistent_bytes):>10}")
-    lines += ["", "programs (XLA:CPU AOT compile, per device; peak = max(arguments, persistent) + temporaries"
-                  " + outputs not aliased to donated inputs):",
-              f"{'program':<9} {'lower s':>8} {'compile s':>9} {'args GiB':>9} {'temps GiB':>9} "
-              f"{'out-alias':>9} {'peak GiB':>9}  what"]
+    if plan.programs:
+        lines += ["", "programs (XLA:CPU AOT compile, per device; peak = max(arguments, persistent) + temporaries"
+                      " + outputs not aliased to donated inputs):",
+                  f"{'program':<9} {'lower s':>8} {'compile s':>9} {'args GiB':>9} {'temps GiB':>9} "
+                  f"{'out-alias':>9} {'peak GiB':>9}  what"]
     for p in plan.programs:
         lines.append(f"{p.name:<9} {p.lower_s:>8.1f} {p.compile_s:>9.1f} {_gib(p.argument_bytes):>9} "
                      f"{_gib(p.temp_bytes):>9} {_gib(p.output_bytes - p.alias_bytes):>9} "
                      f"{_gib(p.peak_bytes(plan.persistent_bytes)):>9}  "
                      f"{p.description}")
+    lines += _warmup_lines(plan) + _moe_lines(plan.moe)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines += ["", f"{verdict}: usable {plan.capacity_gib * plan.usable_fraction:.1f} GiB per device "
                   f"({plan.usable_fraction:g} of {plan.capacity_gib:g} GiB); temporaries are XLA:CPU's, an upper "
@@ -465,6 +391,37 @@ def format_plan(plan: Plan, title: str) -> list[str]:
               f"per-device peak: {plan.peak_bytes / GIB:.1f} GiB of {plan.capacity_gib:g} GiB "
               f"({plan.usable_fraction:g} usable)"]
     return lines
+
+
+def _warmup_lines(plan: Plan) -> list[str]:
+    total = sum(plan.warmup_programs.values())
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(plan.warmup_programs.items()))
+    lines = ["", f"server warm-up list (dspark_jax.warmup.program_shapes, greedy and the API's default sampling): "
+                 f"{total} programs ({kinds})" + ("; the largest of each kind compiled above" if plan.programs else "")]
+    if plan.programs and total:
+        mean = sum(p.lower_s + p.compile_s for p in plan.programs) / len(plan.programs)
+        lines.append(f"estimated compile time of the whole list: {mean:.0f} s per program (the mean lower + compile "
+                     f"time above) x {total} programs = {mean * total / 60:.0f} min (an estimate: XLA:CPU with "
+                     "LLVM optimisation off; smaller shapes compile faster). serve.server compiles the cheapest "
+                     "--warmup_max_programs of them at start, the rest on first use")
+    return lines
+
+
+def _moe_lines(m: MoEFlops | None) -> list[str]:
+    if m is None:
+        return []
+    tf = lambda x: f"{x / 1e9:.4g}"
+    latent = "" if not m.latent else (f", latent projections {tf(m.latent)}"
+                                      + (" (replicated: every device projects every token)" if m.latent_replicated
+                                         else ""))
+    return ["", f"MoE GFLOP per device, one MoE layer over the prefill's {m.tokens} tokens, counted from shapes and "
+                "shards (XLA's cost analysis counts a loop's body once, and the routed expert loop's trip count is "
+                "data-dependent: it cannot count the routed experts):",
+            f"  routed minimum: {m.tokens} tokens x top-{m.top_k} x 3 GEMMs of {m.expert_in} x {m.expert_width} / "
+            f"{m.ep} devices + shared experts' share = {tf(m.minimum)}",
+            f"  the program: routed experts {tf(m.routed)} (one row per routed pair, pairs spread evenly), shared "
+            f"experts {tf(m.shared)}, router {tf(m.router)}{latent} = {tf(m.total)}, "
+            f"{m.total / m.minimum:.2f}x the routed minimum"]
 
 
 def plan_title(cfg: KimiConfig, draft_cfg: DraftConfig | None, config_name: str) -> str:

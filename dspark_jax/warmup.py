@@ -109,7 +109,7 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None,
             for i, shape in enumerate(todo):
                 if progress is not None:
                     progress(i, len(todo), shape)
-                _call(batcher, shape)
+                call_program(batcher, shape)
     finally:
         jax.monitoring.unregister_event_listener(listener)
     if progress is not None and todo:
@@ -122,7 +122,9 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None,
     return info
 
 
-def _call(batcher: Batcher, shape: ProgramShape) -> None:
+def call_program(batcher: Batcher, shape: ProgramShape) -> None:
+    """The call a request of this shape makes (padding rows only), through the batcher's own
+    `run_prefill` / `run_step`; the deployment plan (`dspark_jax.plan`) lowers the programs so."""
     rows = np.full(shape.rows, batcher.num_slots, np.int32)     # padding rows only
     zeros = np.zeros(shape.rows, np.int32)
     temperature, top_p = shape.sampling

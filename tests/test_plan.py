@@ -1,6 +1,7 @@
-"""The serving plan (`serve.plan`, `dspark_jax.plan`): full-size K3 sharding and byte accounting
-without allocating, the AOT-compiled programs' memory on 8 fake devices, the chunked prefill
-program's semantics, and the CLI's last line and exit status."""
+"""The serving plan (`serve.plan`, `dspark_jax.plan`): full-size K3 sharding, byte accounting and
+MoE FLOPs without allocating; the plan's programs are the server's (the engine's jitted programs
+as the batcher calls them, at the largest shapes of the server's warm-up list) and their
+AOT-compiled memory on 8 fake devices; the CLI's last line and exit status."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import plan as plan_lib
-from dspark_jax import sharding
+from dspark_jax import plan_programs, sharding, warmup
+from dspark_jax.batcher import Batcher
 from dspark_jax.config import DraftConfig, KimiConfig
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
+from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
-from tests.gen_utils import randomize, tiny_draft
+from dspark_jax.spec_length import StepCosts
 from tests.kimi_configs import tiny_k3_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +54,6 @@ def test_full_k3_shards_as_intended_abstractly():
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cfg, dcfg = plan_lib.load_plan_configs("kimi-k3", "auto")
     assert dcfg is not None and dcfg.target_layer_ids == (2, 23, 47, 71, 89)
-    from dspark_jax.models.dspark import K3DSparkModel
     target = params_lib.abstract(lambda: KimiLinearModel(cfg, rngs=nnx.Rngs(0)))
     draft = params_lib.abstract(lambda: K3DSparkModel(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     mesh = sharding.make_mesh(tensor=8)
@@ -73,16 +74,73 @@ def test_full_k3_shards_as_intended_abstractly():
     assert groups["draft"].total_bytes == 7_124_633_450 - 8 - 7_520 - 163840 * 7168 * 2
     total = sum(g.device_bytes for g in groups.values())
     assert 185 * 2**30 < total < 195 * 2**30
+    # one MoE layer over a 4096-token chunk, per device: 16 routed pairs a token through 3 GEMMs of
+    # 3584 (the latent width) x 3072, experts split 8 ways; 2 shared experts (6144 wide) split 8 ways
+    moe = plan_programs.moe_flops(target, mesh, 4096)
+    routed = 4096 * 16 * 6 * 3584 * 3072 / 8
+    shared = 4096 * 6 * 7168 * 6144 / 8
+    assert moe.routed == routed and moe.shared == shared and moe.minimum == routed + shared
+    assert moe.router == 2 * 4096 * 7168 * 896 / 8                   # the router is split by expert
+    latent_split = 1 if moe.latent_replicated else 8
+    assert moe.latent == 2 * 2 * 4096 * 7168 * 3584 / latent_split
+    assert moe.total == routed + shared + moe.router + moe.latent
+
+
+TINY_ENGINE = EngineConfig(num_speculative_tokens=3, kv_cache_dtype="fp8", page_size=16, max_num_seqs=2,
+                           max_model_len=256, max_num_batched_tokens=64)
+
+
+def _abstract_pair(cfg: KimiConfig, dcfg: DraftConfig):
+    target = params_lib.abstract(lambda: KimiLinearModel(cfg, rngs=nnx.Rngs(0)))
+    draft = params_lib.abstract(lambda: K3DSparkModel(dcfg, dtype=jnp.dtype(dcfg.dtype), rngs=nnx.Rngs(0)))
+    return target, draft
+
+
+def test_plan_programs_are_the_servers():
+    """The plan's programs are the engine's jitted ones, called as the server's batcher calls them:
+    the prefill at the chunk width at the last chunk offset over every position, the one-token step
+    (width 0) and the T-draft verify at the largest batch bucket over every position; its warm-up
+    list is the one a server's Batcher over real weights has for the same flags."""
+    cfg_d, draft_d = _tiny_configs()
+    cfg, dcfg = KimiConfig.from_dict(cfg_d), DraftConfig.from_dict(draft_d)
+    mesh = sharding.make_mesh(tensor=8)
+    batcher = plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, mesh)
+    eng = batcher.engine
+    shapes = warmup.program_shapes(batcher, plan_programs.SERVER_SAMPLINGS)
+    largest = plan_programs.largest_programs(shapes, eng.t)
+    assert list(largest) == ["prefill", "step", "verify"]
+    # 256 positions, T = 3: the longest prompt is 252 tokens; its 64-token chunks reach every
+    # position from offset 128 on (128 + 64 > 128, the span bucket below 256)
+    pre = plan_programs.program_call(batcher, largest["prefill"])
+    assert pre.program is eng.prefill_jit
+    tokens, lens, slots, caches = pre.call_args[2:6]
+    assert tokens.shape == (1, 64) and list(pre.kw["starts_P"]) == [128] and pre.kw["span"] is None
+    assert caches is eng.abstract_caches and list(slots) == [2]            # a padding row
+    for kind, width in (("step", 0), ("verify", 3)):
+        call = plan_programs.program_call(batcher, largest[kind])
+        assert call.program is eng.step_jit and call.kw["span"] is None and call.kw["width"] is None
+        x0, drafts = call.call_args[2:4]
+        assert x0.shape == (2,) and list(call.kw["rows_B"]) == [2, 2]     # the largest batch bucket
+        # the one-token step verifies given empty drafts; the verify step drafts all T itself
+        assert (drafts.shape == (2, 0)) if width == 0 else drafts is None
+    lowered = pre.lower()
+    assert lowered.args_info[0][2].shape == (1, 64)
+    # the same flags on a server's Batcher over real (tiny) weights: the same warm-up list
+    real = Batcher(Engine(KimiLinearModel(cfg, rngs=nnx.Rngs(0)), K3DSparkModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)),
+                          TINY_ENGINE),
+                   TINY_ENGINE.max_num_seqs, TINY_ENGINE.max_model_len, step_costs=StepCosts(),
+                   speculative_length=TINY_ENGINE.speculative_length,
+                   max_num_batched_tokens=TINY_ENGINE.max_num_batched_tokens)
+    assert shapes == warmup.program_shapes(real, (warmup.GREEDY, warmup.API_DEFAULT))
+    assert {s.width for s in shapes if s.kind == "step"} == {0, 1, None}      # lengths 0, 1, 3
 
 
 def test_tiny_plan_compiles_and_accounts_memory():
     cfg_d, draft_d = _tiny_configs()
     cfg, dcfg = KimiConfig.from_dict(cfg_d), DraftConfig.from_dict(draft_d)
-    config = EngineConfig(num_speculative_tokens=3, kv_cache_dtype="fp8", page_size=16, max_num_seqs=2,
-                          max_model_len=256)
-    shape = plan_lib.ServingShape(num_devices=8, engine=config, prefill_chunk=64)
-    plan = plan_lib.build_plan(cfg, dcfg, shape, programs=("step", "propose"))   # prefill: the CLI test
-    assert [p.name for p in plan.programs] == ["step", "propose"]
+    shape = plan_lib.ServingShape(num_devices=8, engine=TINY_ENGINE)
+    plan = plan_lib.build_plan(cfg, dcfg, shape, programs=("step", "verify"))   # prefill: the CLI test
+    assert [p.name for p in plan.programs] == ["step", "verify"]
     by_name = {g.name: g for g in plan.caches}
     pool = by_name["KV pool (MLA + draft rows)"]
     # 2 MLA rows + 2 draft rows, 2 sequences x 16 pages of 16 tokens, 24-wide latent rows, fp8
@@ -90,49 +148,32 @@ def test_tiny_plan_compiles_and_accounts_memory():
     assert pool.device_bytes == pool.total_bytes                    # replicated
     ssm = by_name["KDA SSM states"]
     assert ssm.shape == "[3, 2, 8, 8, 8]" and ssm.device_bytes * 8 == ssm.total_bytes   # split by head
-    step = plan.programs[0]
-    # the step takes every weight and cache: XLA's argument bytes are our per-device accounting,
-    # give or take a few scalars / per-sequence vectors and the confidence head (unused when greedy)
-    assert abs(step.argument_bytes - plan.persistent_bytes) < 1024
-    assert step.alias_bytes > 0 and step.output_bytes - step.alias_bytes < 1024   # caches donated
+    step, verify = plan.programs
+    # the verify step takes every weight and cache: XLA's argument bytes are our per-device
+    # accounting, give or take a few scalars / per-sequence vectors; the one-token step leaves out
+    # the draft's block-pass weights (jit drops unused arguments), so the peak counts them apart
+    assert abs(verify.argument_bytes - plan.persistent_bytes) < 1024
+    assert step.argument_bytes < plan.persistent_bytes - 4096
+    for p in plan.programs:
+        assert p.alias_bytes > 0 and p.output_bytes - p.alias_bytes < 1024   # caches donated
     assert plan.peak_bytes == max(p.peak_bytes(plan.persistent_bytes) for p in plan.programs)
+    n_shapes = sum(plan.warmup_programs.values())
+    assert n_shapes == len(warmup.program_shapes(
+        plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, sharding.make_mesh(tensor=8)),
+        plan_programs.SERVER_SAMPLINGS))
     lines = plan_lib.format_plan(plan, "tiny")
     assert LAST_LINE.match(lines[-1]) and plan.fits
     assert any(line.startswith("routed experts (MXFP4 packed)") and "(tensor, -, -)" in line for line in lines)
+    text = "\n".join(lines)
+    assert f": {n_shapes} programs (" in text and f"x {n_shapes} programs = " in text
+    mean = sum(p.lower_s + p.compile_s for p in plan.programs) / 2
+    assert f"estimated compile time of the whole list: {mean:.0f} s per program" in text
+    # the MoE count over the prefill chunk (64 tokens; tiny K3: top-2, 32-wide latent, 32-wide experts)
+    moe = plan.moe
+    assert moe.tokens == 64 and moe.routed == 64 * 2 * 6 * 32 * 32 / 8
+    assert f"{moe.total / moe.minimum:.2f}x the routed minimum" in text
     small = plan_lib.Plan(**{**plan.__dict__, "capacity_gib": plan.peak_bytes / 2**30 / 2})
     assert not small.fits and "DOES NOT FIT" in "\n".join(plan_lib.format_plan(small, "tiny"))
-
-
-def test_prefill_chunks_equal_one_whole_prefill():
-    """The plan's prefill program, fed a prompt in chunks, leaves the caches and samples the first
-    token exactly as the engine's whole-prompt prefill does."""
-    # 3 layers (KDA + dense, KDA + MoE, MLA + MoE; AttnRes banks at 0 and 2): every kind of state
-    d = tiny_k3_dict(quantized=False, num_hidden_layers=3)
-    d["text_config"]["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
-    target = KimiLinearModel(KimiConfig.from_dict(d), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    randomize(target, 0)
-    draft = tiny_draft(target, seed=1, layer_ids=(0, 2))
-    eng = Engine(target, draft, EngineConfig(num_speculative_tokens=3, page_size=8))
-    prompt = np.random.default_rng(2).integers(3, 90, 20).astype(np.int32)
-    slot = jnp.asarray([1], jnp.int32)
-    key = jax.random.PRNGKey(0)
-    tokens = np.zeros((1, 32), np.int32)
-    tokens[0, :20] = prompt
-    first_whole, whole = jax.jit(eng.prefill_fn, static_argnames=("temperature", "top_p"))(
-        eng.t_state, eng.d_state, jnp.asarray(tokens), jnp.asarray([20]), slot, eng.new_caches(2, 64), key,
-        temperature=0.0, top_p=1.0)
-    chunk = jax.jit(lambda *a: plan_lib.prefill_chunk(eng, *a))
-    caches = eng.new_caches(2, 64)
-    for start in (0, 16):                      # 16 + 4 valid tokens
-        n = min(16, 20 - start)
-        piece = np.zeros((1, 16), np.int32)
-        piece[0, :n] = prompt[start:start + n]
-        first, caches = chunk(eng.t_state, eng.d_state, jnp.asarray(piece), jnp.asarray([start]),
-                              jnp.asarray([n]), slot, caches, key)
-    assert int(first[0]) == int(first_whole[0])
-    # KDA chunk boundaries differ (fp32 reassociation), attention sees the same rows: tight tolerance
-    for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(whole)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
 
 
 def _cli(tmp_path, *extra) -> subprocess.CompletedProcess:
@@ -153,11 +194,19 @@ def test_cli_last_line_and_exit_status(tmp_path):
     lines = ok.stdout.strip().splitlines()
     assert LAST_LINE.match(lines[-1]), lines[-1]
     assert lines[0].startswith(f"{tmp_path / 'target.json'} (5 layers: 3 KDA + 2 MLA, 8 experts MXFP4)")
-    assert any(line.startswith("prefill ") and "one 32-token chunk" in line for line in lines)
-    tight = _cli(tmp_path, "--programs", "propose", "--hbm_gib", "0.000001")
+    # 128 positions, T = 7: 32-token chunks of the longest prompt (120 tokens) reach every position
+    # from offset 64 on
+    assert any(line.startswith("prefill ") and "1 x 32-token prompt chunk at position 64" in line
+               and "every position (128)" in line for line in lines)
+    assert not any(line.startswith(("step ", "verify ")) for line in lines)
+    tight = _cli(tmp_path, "--programs", "step", "--hbm_gib", "0.000001")
     assert tight.returncode == 1, tight.stderr[-3000:]
     last = tight.stdout.strip().splitlines()[-1]
     assert re.match(r"^per-device peak: \d+\.\d GiB of 1e-06 GiB \(0\.93 usable\)$", last), last
+    assert any(line.startswith("step ") and "one-token step, 2 sequences; every position (128)" in line
+               for line in tight.stdout.splitlines())
     bad = subprocess.run([sys.executable, "-m", "serve.plan", "--config", "no-such-model"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no-such-model" in bad.stderr
+    unknown = _cli(tmp_path, "--programs", "propose")
+    assert unknown.returncode != 0 and "--programs propose: choose from prefill,step,verify" in unknown.stderr
