@@ -45,9 +45,8 @@ log = logging.getLogger("dspark_jax")
 ENV_COSTS = "DSPARK_STEP_COSTS"
 SPECULATIVE_LENGTHS = ("adaptive", "fixed")
 # a length whose cost is only estimated is tried when its expected rate is within this factor of
-# the best one's (a length far behind is not worth a step to find out): the table, timed on
-# padding rows right after compiling, has been off by 1.5x for one length on a 2-core CPU
-EXPLORE_MARGIN = 0.7
+# the best one's (a length far behind is not worth the steps to find out)
+EXPLORE_MARGIN = 0.85
 
 
 def candidate_lengths(t: int) -> tuple[int, ...]:
@@ -166,7 +165,7 @@ class StepTimes:
     bucket, length): the last `window` of each. The first step of each key is not kept: it
     compiles or loads its program. A key counts as observed from `min_seen` steps on."""
 
-    def __init__(self, window: int = 16, min_seen: int = 2):
+    def __init__(self, window: int = 16, min_seen: int = 3):
         self.window, self.min_seen = window, min_seen
         self._times: dict[tuple, collections.deque] = {}
 
