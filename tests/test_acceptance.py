@@ -19,23 +19,28 @@ from dspark_jax.stats import SpecStats, paired_difference
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _acceptance(smollm2_dir, data_dir, tmp_path, *flags_) -> tuple[dict, str]:
-    """Run benchmarks.acceptance on the shipped draft; its JSON and stdout."""
+@pytest.fixture(scope="module")
+def sampled_run(smollm2_dir, registry_data_dir, tmp_path_factory) -> tuple[dict, str]:
+    """benchmarks.acceptance on the shipped draft, sampled at temperature 1 (seed 3): two GSM8K
+    prompts and two MT-Bench first turns, each set one batch of 2. Its JSON and stdout; one run
+    (one model load and compilation) serves the bookkeeping and the temperature checks below: the
+    per-prompt counts add up whether the drafts were greedy or sampled."""
+    tmp_path = tmp_path_factory.mktemp("acceptance")
     out = tmp_path / "acc.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", DSPARK_DATA_DIR=str(data_dir),
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", DSPARK_DATA_DIR=str(registry_data_dir),
                DSPARK_DATA_CACHE=str(tmp_path / "data-cache"))
     res = subprocess.run([sys.executable, "-m", "benchmarks.acceptance", f"--model={smollm2_dir}",
                           "--drafts=smollm2-135m-dspark", "--max_new_tokens=12", "--batch_size=2",
-                          f"--output_json={out}", *flags_],
+                          f"--output_json={out}", "--gsm8k=2", "--mt_bench=2", "--temperature=1.0", "--seed=3"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text()), res.stdout
 
 
-def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, registry_data_dir, tmp_path):
-    got, stdout = _acceptance(smollm2_dir, registry_data_dir, tmp_path, "--gsm8k=3", "--mt_bench=2")
+def test_acceptance_reports_per_prompt_tokens_per_forward(sampled_run):
+    got, stdout = sampled_run
     [row] = got["results"]
-    for name, n in (("gsm8k", 3), ("mt_bench_turn1", 2)):
+    for name, n in (("gsm8k", 2), ("mt_bench_turn1", 2)):
         r = row[name]
         per = r["per_prompt_tok_per_fwd"]
         assert len(per) == n and all(1.0 <= x <= 8.0 for x in per)
@@ -50,10 +55,11 @@ def test_acceptance_reports_per_prompt_tokens_per_forward(smollm2_dir, registry_
     assert "| smollm2-135m-dspark |" in stdout
 
 
-def test_acceptance_samples_at_a_temperature(smollm2_dir, registry_data_dir, tmp_path):
-    got, _ = _acceptance(smollm2_dir, registry_data_dir, tmp_path, "--gsm8k=2", "--mt_bench=0",
-                         "--temperature=1.0", "--seed=3")
-    assert got["temperature"] == 1.0 and got["seed"] == 3 and list(got["results"][0]) == ["draft", "gsm8k"]
+def test_acceptance_samples_at_a_temperature(sampled_run):
+    got, _ = sampled_run
+    # the row holds the requested sets only
+    assert got["temperature"] == 1.0 and got["seed"] == 3 and list(got["results"][0]) == ["draft", "gsm8k",
+                                                                                          "mt_bench_turn1"]
     r = got["results"][0]["gsm8k"]
     assert len(r["per_prompt_tok_per_fwd"]) == 2
     assert abs(r["tok_per_fwd"] - (1 + sum(r["per_position_acceptance"]))) < 1e-9
@@ -112,11 +118,11 @@ def test_measure_acceptance_keeps_each_prompts_statistics():
 
     target = tiny_llama(0)
     draft = tiny_draft(target, 1)
-    ps = prompts(5, target.cfg.vocab_size, seed=3)
+    ps = prompts(3, target.cfg.vocab_size, seed=3)          # a whole batch of 2 and a last one of 1
     done = []
     run = measure_acceptance(target, draft, ps, max_new_tokens=10, num_speculative_tokens=4, batch_size=2,
                              on_batch=lambda n, r: done.append((n, len(r.outputs))))
-    assert done == [(2, 2), (4, 4), (5, 5)]
+    assert done == [(2, 2), (3, 3)]
     total = SpecStats(4)
     for p, out, stats in zip(ps, run.outputs, run.per_prompt):
         alone = generate(target, draft, [p], max_new_tokens=10, num_speculative_tokens=4).outputs[0]

@@ -13,7 +13,7 @@ import pytest
 from dspark_jax.batcher import Batcher, Request
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.generate import eos_ids
+from dspark_jax.generate import engine_for, eos_ids
 from tests.float64 import assert_f32_close
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
@@ -21,9 +21,10 @@ SLOTS, MAX_LEN, T = 3, 128, 4
 
 
 def _pair_engines(target, draft):
-    """Plain and speculative engines shared by a module's tests (one compilation each)."""
-    return target, {0: Engine(target, None, EngineConfig(num_speculative_tokens=0)),
-                    T: Engine(target, draft, EngineConfig(num_speculative_tokens=T))}
+    """Plain and speculative engines shared by a module's tests (one compilation each): generate()'s
+    engines for these settings, so its calls here reuse their compiled programs."""
+    return target, {0: engine_for(target, None, EngineConfig(num_speculative_tokens=0)),
+                    T: engine_for(target, draft, EngineConfig(num_speculative_tokens=T))}
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +225,10 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
     assert reqs[2].stats.plain_steps > 0 and reqs[2].stats.to_dict()["num_verify_steps"] > 0
     assert reqs[0].stats.to_dict()["num_verify_steps"] == 0      # it never ran alone
 
-    # through generate(), whose engine is shared with calls of a fixed length
+    # through generate(), whose engine (this module's engines[T]) is shared with calls of a fixed length
     from dspark_jax.generate import generate
+    assert engine_for(target, engines[T].draft, EngineConfig(num_speculative_tokens=T, speculative_length="fixed",
+                                                              step_costs=dear)) is engines[T]
     fixed = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T,
                      speculative_length="fixed", step_costs=dear)
     adaptive = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T, step_costs=dear)

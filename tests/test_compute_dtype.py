@@ -73,13 +73,51 @@ def _programs(engine: Engine, batch: int = 2, span: int = 64):
     return progs
 
 
-@pytest.mark.parametrize("t", [0, 7], ids=["decode", "verify"])
-def test_no_bf16_to_f32_dot_with_the_shipped_draft(demo_pair, t):
+@pytest.fixture(scope="module")
+def shipped_generation(demo_pair):
+    """Two prompts through generate() with the bf16 draft as shipped (the call that crashed on AMX
+    CPUs), speculative (T = 7) and plain, each on an engine whose calls are spied on: every
+    distinct program a run calls is lowered with that call's arguments and its mixed dots read.
+    jit then runs what that `lower(...).compile()` built, so reading them costs no compilation.
+    The batcher never calls the draft's block pass alone (the step runs it inside): that
+    program is lowered as well. Returns {T: (result, {program: mixed dots})}."""
     target, draft = demo_pair
-    engine = Engine(target, draft if t else None, EngineConfig(num_speculative_tokens=t))
-    for name, lowered in _programs(engine).items():
-        bad = mixed_dots(lowered)
-        assert not bad, f"{name} (T={t}) asks for bf16 x bf16 -> f32 dots:\n" + "\n".join(bad[:5])
+    prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+               "How many clips did Natalia sell altogether in April and May?",
+               "What is 12 * 7?"]
+    runs = {}
+    for t in (7, 0):
+        engine = Engine(target, draft if t else None, EngineConfig(num_speculative_tokens=t))
+        names = {id(engine.prefill_jit): "prefill", id(engine.propose_jit): "propose", id(engine.step_jit): "step"}
+        programs = {}
+        call = engine._call
+
+        def spy(program, *args, **kw):
+            # one program per name, argument shapes and static settings (the weights are the same each call)
+            key = (names[id(program)], str(jax.tree.map(lambda x: getattr(x, "shape", x), (args[2:], kw))))
+            if key not in programs:
+                programs[key] = mixed_dots(program.lower(*args, **kw))
+            return call(program, *args, **kw)
+
+        engine._call = spy
+        try:
+            # a dozen tokens take several verify steps; the programs, not the length, are what crashed
+            result = generate(target, draft if t else None, prompts, max_new_tokens=12, num_speculative_tokens=t,
+                              engine=engine)
+        finally:
+            del engine._call
+        if t:
+            programs[("propose",)] = mixed_dots(_programs(engine)["propose"])
+        runs[t] = (result, programs)
+    return runs
+
+
+@pytest.mark.parametrize("t", [0, 7], ids=["decode", "verify"])
+def test_no_bf16_to_f32_dot_with_the_shipped_draft(shipped_generation, t):
+    _, programs = shipped_generation[t]
+    assert {key[0] for key in programs} == ({"prefill", "propose", "step"} if t else {"prefill", "step"})
+    for key, bad in programs.items():
+        assert not bad, f"{key} (T={t}) asks for bf16 x bf16 -> f32 dots:\n" + "\n".join(bad[:5])
 
 
 def test_the_engine_computes_the_draft_in_the_targets_dtype(demo_pair):
@@ -89,14 +127,9 @@ def test_the_engine_computes_the_draft_in_the_targets_dtype(demo_pair):
     assert dtypes == {jnp.dtype(jnp.float32)}
 
 
-def test_batched_generation_with_the_shipped_draft(demo_pair, smollm2_dir):
+def test_batched_generation_with_the_shipped_draft(shipped_generation):
     """Two prompts with the bf16 draft as shipped (the call that crashed on AMX CPUs) equal plain decoding."""
-    target, draft = demo_pair
-    prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-               "How many clips did Natalia sell altogether in April and May?",
-               "What is 12 * 7?"]
-    spec = generate(target, draft, prompts, max_new_tokens=24)
-    plain = generate(target, None, prompts, max_new_tokens=24)
+    spec, plain = shipped_generation[7][0], shipped_generation[0][0]
     for s, p in zip(spec.outputs, plain.outputs):
         assert s.token_ids == p.token_ids
     assert spec.stats["num_verify_steps"] > 0
@@ -170,11 +203,12 @@ def test_native_bf16_gemm_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "k3"])
 def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_numbers(family):
     """A bf16 cache (kv_cache_dtype auto or bf16) on CPU stores uint16 bit patterns (XLA:CPU
-    converts a whole bf16 pool around each scatter): the pages bitcast back are bf16 values, the
-    rows written equal those of a float32 cache, and generation equals the run with a float32
+    converts a whole bf16 pool around each scatter): after generating, the pages bitcast back are
+    bf16 values equal to those of a float32 cache, and the output equals the run with a float32
     cache (which holds the same bf16 values exactly), speculative and plain."""
     from flax import nnx
 
+    from dspark_jax.batcher import Batcher, Request
     from dspark_jax.cache import as_values
     from dspark_jax.engine import cast_floating
     from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
@@ -183,24 +217,25 @@ def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_n
     draft = tiny_draft(target) if family == "llama" else tiny_draft(target, layer_ids=(1, 3))
     for m in (target, draft):
         nnx.update(m, cast_floating(nnx.state(m), jnp.bfloat16))
-    ps = prompts(3, target.cfg.vocab_size, seed=2, hi=14)
-    toks = jnp.asarray(np.random.default_rng(3).integers(1, 12, (2, 6)), jnp.int32)
-    lens = jnp.asarray([6, 6], jnp.int32)
-    pages = {}
-    for kv in ("auto", "bf16", "fp32"):
+    # bf16 resolves to auto's storage (the model's dtype), and an engine's programs see the cache
+    # setting only through that storage dtype: auto's runs below stand for bf16's
+    for kv in ("auto", "bf16"):
         engine = Engine(target, draft, EngineConfig(num_speculative_tokens=3, kv_cache_dtype=kv))
-        assert engine.store_dtype == (jnp.float32 if kv == "fp32" else jnp.uint16)
-        caches = engine.new_caches(2, 64)
-        first, caches = engine.prefill(toks, lens, jnp.arange(2, dtype=jnp.int32), caches, jax.random.PRNGKey(0))
-        _, _, caches = engine.step(first, lens, jnp.ones((2,), bool), 64, caches, jax.random.PRNGKey(1))
-        pages[kv] = np.asarray(as_values(caches.pool.pages).astype(jnp.float32))
-    assert np.count_nonzero(pages["auto"]) > 0
-    np.testing.assert_array_equal(pages["auto"], pages["fp32"])
-    np.testing.assert_array_equal(pages["bf16"], pages["fp32"])
-    for d in (draft, None):
-        auto = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False)
-        wide = generate(target, d, ps, max_new_tokens=10, num_speculative_tokens=3, chat=False, kv_cache_dtype="fp32")
-        assert [o.token_ids for o in auto.outputs] == [o.token_ids for o in wide.outputs]
+        assert engine.store_dtype == jnp.uint16
+    # two prompts of one span bucket: the batch is not what is checked here
+    ps = prompts(2, target.cfg.vocab_size, seed=2, hi=14)
+    for d, t in ((draft, 3), (None, 0)):
+        runs = {}
+        for kv in ("auto", "fp32"):
+            engine = Engine(target, d, EngineConfig(num_speculative_tokens=t, kv_cache_dtype=kv))
+            assert engine.store_dtype == (jnp.float32 if kv == "fp32" else jnp.uint16)
+            b = Batcher(engine, len(ps), 128)
+            reqs = b.run([Request(p, 10) for p in ps])
+            runs[kv] = ([r.tokens for r in reqs], np.asarray(as_values(b.caches.pool.pages).astype(jnp.float32)))
+        assert np.count_nonzero(runs["auto"][1]) > 0
+        np.testing.assert_array_equal(runs["auto"][1], runs["fp32"][1])
+        assert runs["auto"][0] == runs["fp32"][0]
+        assert all(len(tokens) == 10 for tokens in runs["auto"][0])
 
 
 def test_entry_point_dtype_choice(smollm2_dir):

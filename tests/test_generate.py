@@ -10,10 +10,9 @@ import pytest
 from dspark_jax import steps
 from dspark_jax.batcher import Batcher, Request
 from dspark_jax.cache import as_values
-from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import generate
+from dspark_jax.generate import engine_for, generate
 from tests.gen_utils import chi2_pvalue, prompts, same_tokens, tiny_draft, tiny_k3, tiny_llama
 
 
@@ -44,9 +43,10 @@ def test_lossless_greedy_llama(llama_pair, batch):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_lossless_greedy_k3(k3_pair, batch):
     target, draft = k3_pair
-    # prompt lengths 2..15: one prefill bucket, so the cost is steps, not compiles
-    ps = prompts(16, target.cfg.vocab_size, seed=10 + batch, hi=16)
-    for i in range(0, 16, batch):
+    # prompt lengths 2..15: one prefill bucket, so the cost is steps, not compiles; half as many
+    # prompts as the llama test's (a K3 step costs more), the batch sizes the same
+    ps = prompts(8, target.cfg.vocab_size, seed=10 + batch, hi=16)
+    for i in range(0, 8, batch):
         chunk = ps[i:i + batch]
         plain = generate(target, None, chunk, max_new_tokens=12)
         spec = generate(target, draft, chunk, max_new_tokens=12, num_speculative_tokens=5)
@@ -71,8 +71,9 @@ def test_lossless_greedy_fp8_cache(request, pair):
 
 
 def _cached_rows(target, ps, kv_cache_dtype: str) -> np.ndarray:
-    """The paged pool's rows, as float32 values, after plain greedy decoding of `ps`."""
-    engine = Engine(target, None, EngineConfig(num_speculative_tokens=0, kv_cache_dtype=kv_cache_dtype))
+    """The paged pool's rows, as float32 values, after plain greedy decoding of `ps` (on the
+    engine, and so the compiled programs, generate() used for the same setting)."""
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0, kv_cache_dtype=kv_cache_dtype))
     batcher = Batcher(engine, len(ps), 128)
     batcher.run([Request(p, 16) for p in ps])
     return np.asarray(as_values(batcher.caches.pool.pages).astype(jnp.float32))
@@ -150,13 +151,19 @@ def test_kda_rollback_forced_rejection(k3_pair):
         good = ref[i][len(so_far):len(so_far) + t]
         return [(x + 1) % v for x in good] + [0] * (t - len(good))
 
-    eng_plain = Engine(target, None, EngineConfig(num_speculative_tokens=0))
-    eng_spec = Engine(target, None, EngineConfig(num_speculative_tokens=5))
+    eng_plain, eng_spec = _plain_and_verify_engines(target)
     max_len = 128
     out_p, caches_p = _run(eng_plain, ps, 12, max_len)
     out_s, caches_s = _run(eng_spec, ps, 12, max_len, proposer=wrong)
     assert out_p == out_s == ref
     _assert_same_states(caches_p, caches_s)
+
+
+def _plain_and_verify_engines(target):
+    """Plain decoding, and verification of given drafts at T = 5: generate()'s engines for these
+    settings (the plain one decoded the references), so both tests share their compiled programs."""
+    return (engine_for(target, None, EngineConfig(num_speculative_tokens=0)),
+            engine_for(target, None, EngineConfig(num_speculative_tokens=5)))
 
 
 def _run(engine, prompts, max_new_tokens, max_len, proposer=None):
@@ -192,8 +199,7 @@ def test_kda_partial_acceptance_states(k3_pair):
             out[k] = (out[k] + 1) % v
         return out
 
-    eng_plain = Engine(target, None, EngineConfig(num_speculative_tokens=0))
-    eng_spec = Engine(target, None, EngineConfig(num_speculative_tokens=5))
+    eng_plain, eng_spec = _plain_and_verify_engines(target)
     out_p, caches_p = _run(eng_plain, ps, 25, 128)
     out_s, caches_s = _run(eng_spec, ps, 25, 128, proposer=partial)
     assert out_p == out_s

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,8 +46,13 @@ def _fake(key, clock, calls, seconds_per_token, tokens_for, compile_on=(), refer
                         reference=reference)
 
 
-def test_measure_alternates_repeats_compiling_runs_and_aggregates(tmp_path):
+def test_measure_alternates_repeats_compiling_runs_and_aggregates(tmp_path, monkeypatch):
     clock, calls = FakeClock(), []
+    # the protocol collects garbage before every timed run; counted here instead of run: the fake
+    # systems leave nothing to collect, and a full collection of a long-lived test process's heap
+    # takes seconds each time
+    collections = []
+    monkeypatch.setattr(peers, "gc", SimpleNamespace(collect=lambda: collections.append(len(calls))))
     prompts = [[1, 2, 3], [4, 5]]
     def same(ids):
         return [7] * 8
@@ -76,6 +82,7 @@ def test_measure_alternates_repeats_compiling_runs_and_aggregates(tmp_path):
     assert timed[8:] == [s, h, b, p, s, h, p]
     assert {c[2] for c in calls[4:] if c[0] == b} == {4}
     assert len(recs) == 14 and sum(r.repeats for r in recs) == 1
+    assert collections == list(range(4, len(calls)))          # one collection before each timed run
 
     rows = peers.summarize(systems, recs, baseline=p, max_new_tokens=8)
     row = {r["system"]: r for r in rows}

@@ -61,8 +61,13 @@ def _leftovers(dst: Path) -> list[Path]:
     return list(dst.parent.glob(f".{dst.name}*"))
 
 
+# one jitted function for the module: models of one structure and sharding share its compiled
+# program (a fresh jit per call would compile the same program once per model)
+_LOGITS = jax.jit(lambda m, x: m.forward(x).logits)
+
+
 def _logits(model, ids):
-    return np.asarray(jax.jit(lambda m, x: m.forward(x).logits)(model, ids))
+    return np.asarray(_LOGITS(model, ids))
 
 
 def _spec(p: nnx.Param) -> tuple:

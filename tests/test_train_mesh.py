@@ -36,6 +36,10 @@ from tests.kimi_configs import tiny_k3_dict, tiny_k3_tp_dict, write_k3_checkpoin
 from tests.train_utils import CharTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+# the shallowest tiny K3 that still holds every layer kind the split must handle (a dense first
+# layer, MoE after it, KDA and MLA attention): each target program compiles in fewer layers
+K3_LAYERS = 3
+AUX_LAYERS = (0, 1, 2)
 
 
 def draft_for(cfg: KimiConfig) -> K3DSparkModel:
@@ -43,7 +47,7 @@ def draft_for(cfg: KimiConfig) -> K3DSparkModel:
         hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         vocab_size=cfg.vocab_size, target_hidden_size=cfg.hidden_size,
-        target_num_hidden_layers=cfg.num_hidden_layers, target_layer_ids=[0, 2, 4],
+        target_num_hidden_layers=cfg.num_hidden_layers, target_layer_ids=list(AUX_LAYERS),
         mask_token_id=cfg.vocab_size - 1, markov_rank=8, enable_confidence_head=True,
         confidence_head_with_markov=True,
         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
@@ -55,7 +59,7 @@ def draft_for(cfg: KimiConfig) -> K3DSparkModel:
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory) -> Path:
-    d = tiny_k3_tp_dict()
+    d = tiny_k3_tp_dict(K3_LAYERS)
     model = KimiLinearModel(KimiConfig.from_dict(d), dtype=jnp.float32, rngs=nnx.Rngs(0))
     randomize(model, 0)
     return write_k3_checkpoint(model, tmp_path_factory.mktemp("k3") / "target", d)
@@ -119,7 +123,7 @@ def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
     prompts on one device (float32)."""
     # two prompts of one length in one batch: few programs to compile per mesh
     records = [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": text}]}
-               for i, text in enumerate(("qqqq", "abcd"))]
+               for i, text in enumerate(("qqqq", "QQQQ"))]
     settings = regen.RegenSettings(target="tiny-k3", max_new_tokens=8, temperature=0.0, seed=0,
                                    chat_template_sha256="x")
     answers = {}
@@ -143,7 +147,7 @@ def test_offline_teacher_shards_with_the_target_split_equal_one_device(k3_dir, t
         for name, tp, dp, budget in (("one", 1, 1, None), ("tp", 4, 2, 3)):
             mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
             target = load_target(k3_dir, dtype=jnp.float64, mesh=mesh, rules=TEACHER_RULES)
-            meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=(0, 2, 4), hidden_size=32,
+            meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=AUX_LAYERS, hidden_size=32,
                                      aux_width=96, dtype="float64", target="tiny-k3", max_len=24)
             teacher.write_teacher_shards(target, samples, tmp_path / name, writer=0, meta=meta, batch_size=2,
                                          mesh=mesh)
@@ -191,7 +195,7 @@ def test_programs_refuse_a_tensor_axis_the_target_cannot_take(k3_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     draft_cfg = tmp_path / "draft.json"
-    draft_cfg.write_text(json.dumps(dict(draft_for(KimiConfig.from_dict(tiny_k3_tp_dict())).cfg.raw)))
+    draft_cfg.write_text(json.dumps(dict(draft_for(KimiConfig.from_dict(tiny_k3_tp_dict(K3_LAYERS))).cfg.raw)))
     res = subprocess.run([sys.executable, "-m", "train.teacher", f"--target={k3_dir}", "--tp=3",
                           f"--data={tmp_path / 'none.jsonl'}", f"--draft_config={draft_cfg}",
                           f"--out={tmp_path / 'teacher'}"], cwd=REPO, env=env, capture_output=True, text=True,

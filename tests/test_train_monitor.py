@@ -200,9 +200,10 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
     with open(run_dir / monitor.EVAL_FILE, "a") as f:
         f.write(json.dumps(dict(rows[-1], step=5)) + "\n" + '{"step": 6, "tok_')
 
-    # resume: a new trainer restores step 2 and continues the same history and curve
+    # resume: a new trainer restores step 2 and continues the same history and curve (from the run
+    # directory: the evaluator keeps no history, so its compiled engine is reused)
     tr2 = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-    T.run(tr2, T.SampleSource(samples, 0), evaluator=monitor.HeldOutEval(target, prompts, max_new_tokens=8))
+    T.run(tr2, T.SampleSource(samples, 0), evaluator=ev)
     rows2 = monitor.EvalHistory(run_dir).rows()
     assert [r["step"] for r in rows2] == [0, 1, 2, 3]
     assert rows2[:3] == rows
