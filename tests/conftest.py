@@ -34,17 +34,40 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return presets.resolve_model_path("smollm2-135m")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _free_compiled_programs_after_each_module():
-    """A worker runs a couple of hundred test modules in one process: without this, every program
-    they compiled stays in memory until the end of the run (several GB per worker)."""
-    yield
+def _free_compiled_programs() -> None:
     import gc
 
     import jax
 
     jax.clear_caches()
     gc.collect()
+
+
+def _memory_mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+# XLA:CPU maps every compiled program's code and data into its own memory mappings (about 30 for
+# an engine program); Linux caps a process's mappings at vm.max_map_count (65,530 by default) and
+# past it the compiler crashes inside LLVM. A module that compiles a few thousand programs gets
+# there on its own: past this many mappings the programs are freed after the test that made them.
+MAX_MAPPINGS = 30_000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs_after_each_module():
+    """A worker runs a couple of hundred test modules in one process: without this, every program
+    they compiled stays in memory until the end of the run (several GB per worker)."""
+    yield
+    _free_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_before_the_mapping_limit():
+    yield
+    if os.path.exists("/proc/self/maps") and _memory_mappings() > MAX_MAPPINGS:
+        _free_compiled_programs()
 
 
 @pytest.fixture(autouse=True)

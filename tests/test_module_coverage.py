@@ -63,6 +63,8 @@ UNTESTED_BY_NAME = {
                         "tests/test_kimi_target.py)",
     "numerics.py": "the bf16 GEMM probe behind dtype auto: tests/test_compute_dtype.py",
     "params.py": "parameter walking under every converter: tests/test_dspark_draft.py, tests/test_target_io.py",
+    "plan_programs.py": "the server's programs as serve.plan compiles them, and the MoE FLOPs count: "
+                        "tests/test_plan.py",
     "presets.py": "preset names and the SmolLM2 install: tests/test_gguf_tokenizer.py, tests/test_smollm2.py",
     "sampling.py": "sampled verification: tests/test_generate.py, tests/test_compute_dtype.py",
     "serving/app.py": "the HTTP app through the OpenAI client: tests/test_server.py",
