@@ -36,7 +36,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
         "experts": "tensor",      # routed experts (EP)
         "expert_mlp": None,
         "expert_in": None,
-        "latent": None,           # latent-MoE width (routed_expert_hidden_size)
+        "latent": "tensor",       # latent-MoE width: the down/up projections split it (the experts,
+                                  # already on "tensor" by expert, keep it whole)
         "conv": None,
         "markov": None,
         "aux": "fsdp",            # concatenated aux features (context_proj input)
