@@ -285,9 +285,12 @@ class Trainer:
             params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, master, sharding=s), params,
                                   self.param_shardings)
         else:
-            # a copy: the step donates its state, the caller's draft must stay valid
-            params = jax.device_put(jax.tree.map(lambda x: x.astype(master), params), self.param_shardings,
-                                    may_alias=False)
+            # a copy: the step donates its state, the caller's draft must stay valid. Copied where it
+            # lies first: device_put onto a mesh of several devices can alias a replicated leaf's
+            # buffer on the source device even with may_alias=False, and the first step then
+            # deletes the caller's array
+            params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, dtype=master, copy=True), params),
+                                    self.param_shardings)
         opt_abstract = jax.eval_shape(self.tx.init, params)
         self.opt_shardings = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, self.param_shardings,
                                                    transform_non_params=lambda _: replicated)
