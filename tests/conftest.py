@@ -50,7 +50,7 @@ def _memory_mappings() -> int:
 
 # XLA:CPU maps every compiled program's code and data into its own memory mappings (about 30 for
 # an engine program); Linux caps a process's mappings at vm.max_map_count (65,530 by default) and
-# past it the compiler crashes inside LLVM. A module that compiles a few thousand programs gets
+# past it the next compilation segfaults. A module that compiles a couple of thousand programs gets
 # there on its own: past this many mappings the programs are freed after the test that made them.
 MAX_MAPPINGS = 30_000
 
