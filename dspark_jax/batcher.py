@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.engine import Engine, sampling_key
+from dspark_jax.engine import Engine
 from dspark_jax.errors import RequestError
 from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
 from dspark_jax.stats import SpecStats
@@ -63,10 +63,6 @@ class Request:
     slot: int | None = None
     prefilled: int = 0                     # prompt tokens already in the cache (chunked prefill)
 
-    @property
-    def sampling(self) -> tuple[float, float]:
-        return sampling_key(self.temperature, self.top_p)
-
 
 class Batcher:
     """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
@@ -74,12 +70,12 @@ class Batcher:
     Each `step()` admits waiting requests into free slots, runs one prefill call of at most
     `max_num_batched_tokens` padded prompt tokens over the admitted requests whose prompt is not
     yet in (just their rows; the other slots' caches are untouched), and then one propose/verify
-    step over the decoding slots of one sampling setting (the others go next, round robin), padded
-    to a batch bucket. Finished or aborted requests free their slot at once. `generate()`, the
+    step over every decoding slot, padded to a batch bucket. Sampling settings are per row
+    (`Engine`): requests of different settings share each call. Finished or aborted requests free their slot at once. `generate()`, the
     HTTP server and the benchmark all drive this loop.
 
     Prefill calls take one of two forms (few compiled programs): the first chunks of newly admitted
-    prompts of one sampling setting, rows x chunk bucket <= the budget, each prompt's first
+    prompts, rows x chunk bucket <= the budget, each prompt's first
     `max_num_batched_tokens` tokens; or the next chunk of the one prompt longer than that, alone,
     at the full chunk width, continuing from the KDA state and cache rows its slot holds.
     `max_num_batched_tokens=None`: no bound, whole prompts, every admitted one in one call (offline
@@ -115,7 +111,6 @@ class Batcher:
         self.proposer = proposer
         self._key = jax.random.PRNGKey(seed)
         self._keys: collections.deque[np.ndarray] = collections.deque()
-        self._turn = 0
 
     @property
     def adaptive(self) -> bool:
@@ -281,7 +276,7 @@ class Batcher:
         for j, (r, n) in enumerate(chunks):
             tokens[j, :n] = r.prompt[r.prefilled:r.prefilled + n]
             lens[j], starts[j] = n, r.prefilled
-        first = self.run_prefill(tokens, lens, rows, *head.sampling, starts)
+        first = self.run_prefill(tokens, lens, rows, *sampling_rows([r for r, _ in chunks], len(rows)), starts)
         done = []
         for j, (r, n) in enumerate(chunks):
             r.prefilled += n
@@ -297,34 +292,27 @@ class Batcher:
 
     def _next_chunks(self) -> list[tuple[Request, int]]:
         """(request, tokens) of the next prefill call: the oldest admitted request's next chunk;
-        when that is a first chunk, the first chunks of newer requests of its sampling setting
-        beside it while rows (batch bucket) x chunk bucket stays within the budget. A prompt
+        when that is a first chunk, the first chunks of newer requests beside it while rows (batch bucket) x chunk bucket stays within the budget. A prompt
         longer than the budget therefore goes in alone, and is the only one part-way through."""
         budget = self.max_num_batched_tokens
         head = self.filling[0]
         if budget is None:
-            return [(r, len(r.prompt)) for r in self.filling if r.sampling == head.sampling]
+            return [(r, len(r.prompt)) for r in self.filling]
         chunks = [(head, min(len(head.prompt) - head.prefilled, budget))]
         if head.prefilled:
             return chunks
         for r in self.filling[1:]:
             n = min(len(r.prompt), budget)
-            if r.sampling != head.sampling:
-                continue
             width = chunk_bucket(max(n, *(c for _, c in chunks)), budget)
             if batch_bucket(len(chunks) + 1, self.num_slots) * width <= budget:
                 chunks.append((r, n))
         return chunks
 
     def _decode(self) -> list[Request]:
-        running = [s for s in self.slots if s is not None]
-        if not running:
+        # the step computes the running slots only, padded to a batch bucket
+        slots = [i for i, s in enumerate(self.slots) if s is not None]
+        if not slots:
             return []
-        groups = list(dict.fromkeys(r.sampling for r in running))
-        temperature, top_p = groups[self._turn % len(groups)]
-        self._turn += 1
-        # the step computes this sampling group's slots only, padded to a batch bucket
-        slots = [i for i, s in enumerate(self.slots) if s is not None and s.sampling == (temperature, top_p)]
         m = len(slots)
         rows = self.batch_rows(slots)
         x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
@@ -343,6 +331,7 @@ class Batcher:
             drafts = np.zeros((len(rows), length), np.int32)
             for j, i in enumerate(slots):
                 drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)[:length]
+        temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
         n, emitted = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts, length=length)
         self.num_steps += 1
         touched = []
@@ -377,10 +366,11 @@ class Batcher:
         rows[:len(slots)] = slots
         return rows
 
-    def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, temperature: float,
-                    top_p: float, starts_P: np.ndarray | None = None) -> np.ndarray:
+    def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, temperature,
+                    top_p, starts_P: np.ndarray | None = None) -> np.ndarray:
         """One prefill call of prompt chunks at positions `starts_P`.. (None: 0; rows past the
-        prompts: slot = number of slots, length 0); the tokens sampled after each chunk. The
+        prompts: slot = number of slots, length 0); the tokens sampled after each chunk (at
+        `temperature` / `top_p`: numbers or per-row arrays). The
         warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
         if starts_P is None:
             starts_P = np.zeros(len(lens_P), np.int32)
@@ -390,7 +380,7 @@ class Batcher:
         return np.asarray(first)
 
     def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int, span: int | None,
-                 temperature: float, top_p: float, drafts_BT: np.ndarray | None = None, *,
+                 temperature, top_p, drafts_BT: np.ndarray | None = None, *,
                  length: int | None = None):
         """One decode step over the rows `rows_B` (`batch_rows`), the first `num_active` of them
         running, verifying `length` drafts of the draft's block (None: T) or `drafts_BT`.
@@ -429,6 +419,15 @@ class Batcher:
         else:
             self.slots[r.slot] = None
         r.slot = None
+
+
+def sampling_rows(reqs: Sequence[Request], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row (temperature, top_p) of a program call over `reqs` padded to `rows` rows (padding
+    rows greedy)."""
+    temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    for j, r in enumerate(reqs):
+        temperature[j], top_p[j] = max(r.temperature, 0.0), r.top_p
+    return temperature, top_p
 
 
 def pow2(n: int) -> int:

@@ -54,15 +54,15 @@ def pool_geometry(target, draft) -> tuple[int, int]:
 class Engine:
     """Split models and the jitted programs for one (target, draft, EngineConfig) setting.
 
-    Sampling settings are static arguments of the programs (one compilation per distinct
-    (temperature, top_p)); `temperature`/`top_p` given here are the defaults of calls that pass
-    none. `draft=None` with T > 0 verifies drafts given to `step` (an external proposer)."""
+    Sampling settings are per row and traced (`temperature_B`, `top_p_B`), so requests of any
+    settings share a step and compile nothing new; the one static flag, `sampled`, says whether
+    any row samples: an all-greedy step runs a program without the sampling work. Calls pass
+    `temperature` / `top_p` as numbers or per-row arrays (None: greedy). `draft=None` with T > 0
+    verifies drafts given to `step` (an external proposer)."""
 
-    def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, temperature: float = 0.0,
-                 top_p: float = 1.0, serving_layout: bool = False):
+    def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, serving_layout: bool = False):
         self.target, self.draft, self.config = target, draft, config
         self.t = config.num_speculative_tokens
-        self.temperature, self.top_p = sampling_key(temperature, top_p)
         self.page_size = config.page_size
         self.compute_dtype = target.dtype
         self.store_dtype = storage_dtype(config.kv_cache_dtype, self.compute_dtype)
@@ -97,7 +97,7 @@ class Engine:
         self.draft_head = None
         if draft is not None and draft.cfg.reduced_vocab:
             self.draft_head = draft.head_rows(embed_and_head(target)[1])
-        static = ("temperature", "top_p", "span")
+        static = ("sampled", "span")
         # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
         self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
         self.propose_jit = jax.jit(self.propose_fn, static_argnames=static, donate_argnames=("caches",))
@@ -131,20 +131,23 @@ class Engine:
         self._d_state = state
         self._d_leaves, self._d_def = jax.tree.flatten(state) if state is not None else (None, None)
 
-    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, **kw):
+    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(first tokens [P], caches): see `prefill_fn`."""
         return self._call(self.prefill_jit, self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
-                          serving=self.serving, **kw)
+                          serving=self.serving, **sampling_args(len(lens_P), temperature, top_p), **kw)
 
-    def propose(self, x0_B, lens_B, caches: TargetCaches, key, **kw):
+    def propose(self, x0_B, lens_B, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
         return self._call(self.propose_jit, self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key,
-                          serving=self.serving, draft_head=self.draft_head, **kw)
+                          serving=self.serving, draft_head=self.draft_head,
+                          **sampling_args(len(x0_B), temperature, top_p), **kw)
 
-    def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, **kw):
+    def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, temperature=None,
+             top_p=None, **kw):
         """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
         return self._call(self.step_jit, self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len,
-                          caches, key, serving=self.serving, draft_head=self.draft_head, **kw)
+                          caches, key, serving=self.serving, draft_head=self.draft_head,
+                          **sampling_args(len(x0_B), temperature, top_p), **kw)
 
     @contextlib.contextmanager
     def compile_only(self):
@@ -211,11 +214,6 @@ class Engine:
         return jax.lax.with_sharding_constraint(caches, self._cache_shardings(caches))
 
     # -- jitted bodies ----------------------------------------------------------------------
-    def _sampling(self, temperature: float | None, top_p: float | None) -> tuple[float, float]:
-        """A call's static sampling setting; None: the engine's defaults."""
-        return sampling_key(self.temperature if temperature is None else temperature,
-                            self.top_p if top_p is None else top_p)
-
     def merge(self, t_state, d_state):
         """The (target, draft) modules of these states, or of their leaf lists (inside a program)."""
         if isinstance(t_state, list):
@@ -227,7 +225,7 @@ class Engine:
         return target, draft
 
     def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, starts_P=None, serving=None,
-                   temperature: float | None = None, top_p: float | None = None, span: int | None = None):
+                   temperature_B=None, top_p_B=None, sampled: bool = False, span: int | None = None):
         """Prefill P sequences' prompt chunks into cache slots `slots_P` (padding rows: slot =
         number of slots, length 0) while the other slots keep their state: only these rows run.
         Row p holds `lens_P[p]` tokens at positions `starts_P[p]`.. (None: every row from 0, a
@@ -236,9 +234,9 @@ class Engine:
         the earlier chunks wrote. The rows see the pool through their own block-table rows (cut to
         `span`, which must cover every start + S); their new KDA states are scattered back into
         their slots. The token sampled after a row's last token is its first generated token
-        when the chunk ends the prompt (meaningless otherwise)."""
+        when the chunk ends the prompt (meaningless otherwise); drawn at the row's
+        `temperature_B`/`top_p_B` when `sampled`, else greedy."""
         target, draft = self.merge(t_state, d_state)
-        temperature, top_p = self._sampling(temperature, top_p)
         p, s = tokens_PS.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
         if starts_P is not None:
@@ -257,7 +255,7 @@ class Engine:
         # the lm_head on the last row of the chunk alone, not on all S rows
         out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False,
                                            weights=serving, logits_rows_BR=last_P[:, None])
-        first = sample_tokens(out.logits[:, 0], temperature, top_p, key)
+        first = sample_tokens(out.logits[:, 0], temperature_B, top_p_B, key if sampled else None)
         pool = sub.pool
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
@@ -267,25 +265,24 @@ class Engine:
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
     def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
-                   draft_head=None, temperature: float | None = None, top_p: float | None = None,
+                   draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False,
                    span: int | None = None):
         """The draft's block pass alone (profiling times it on its own).
         `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
         its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)
-        temperature, top_p = self._sampling(temperature, top_p)
         full_table = caches.pool.block_table
         pool = caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span))
         embed, head = embed_and_head(target)
         prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B, pool,
                                  target.attention_rows, self.t,
-                                 temperature=temperature, top_p=top_p, key=key if temperature > 0 else None)
+                                 temperature=temperature_B, top_p=top_p_B, key=key if sampled else None)
         caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                rows_B=None, serving=None, draft_head=None, temperature: float | None = None,
-                top_p: float | None = None, span: int | None = None, width: int | None = None):
+                rows_B=None, serving=None, draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False,
+                span: int | None = None, width: int | None = None):
         """One propose/verify step over B rows; inactive rows write nothing and keep their KDA
         state. `rows_B`: the cache slot of each row (padding rows: the number of slots, inactive),
         so a step computes the running sequences only, padded to a batch bucket; None: row b is
@@ -294,9 +291,10 @@ class Engine:
         a one-token step). `width`: drafts verified from the draft's block (None: all T); the
         block is drafted whole either way (its rows attend to each other, so a narrower block
         would draft other tokens). `span` (a page multiple >= every active length + T + 1) bounds
-        the positions attention reads, so a step costs what the sequences hold, not max_len."""
+        the positions attention reads, so a step costs what the sequences hold, not max_len.
+        `sampled`: some rows sample (at their `temperature_B` / `top_p_B`; rows at temperature 0
+        stay greedy); False: every row is greedy."""
         target, draft = self.merge(t_state, d_state)
-        temperature, top_p = self._sampling(temperature, top_p)
         full_table, full_kda = caches.pool.block_table, caches.kda
         caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span)),
                               full_kda if full_kda is None or rows_B is None else full_kda.take(rows_B))
@@ -309,8 +307,8 @@ class Engine:
             embed, head = embed_and_head(target)
             prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
                                      caches.pool, target.attention_rows, self.t,
-                                     temperature=temperature, top_p=top_p,
-                                     key=k_draft if temperature > 0 else None, active_B=active_B)
+                                     temperature=temperature_B, top_p=top_p_B,
+                                     key=k_draft if sampled else None, active_B=active_B)
             drafts, draft_logits = prop.tokens_BT[:, :width], prop.logits_BTV[:, :width]
             # on with the pool holding the block's draft rows (draft_context overwrites them below):
             # going on from the pool before them would keep two versions of the whole pool alive,
@@ -325,10 +323,10 @@ class Engine:
         out, caches, snaps = steps.target_forward(target, tokens, positions, valid, caches, self.aux_ids,
                                                   verify=True, weights=serving)
         limit = jnp.maximum(max_len - lens_B - 1, 0)
-        if temperature > 0 and draft_logits is not None and t > 0:
-            acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature, top_p, k_acc, limit_B=limit)
-        elif temperature > 0:
-            tok = sample_tokens(out.logits[:, 0], temperature, top_p, k_acc)
+        if sampled and draft_logits is not None and t > 0:
+            acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature_B, top_p_B, k_acc, limit_B=limit)
+        elif sampled:
+            tok = sample_tokens(out.logits[:, 0], temperature_B, top_p_B, k_acc)
             acc = steps.Acceptance(jnp.zeros((b,), jnp.int32), tok[:, None])
         else:
             acc = steps.accept_greedy(out.logits, drafts, limit_B=limit)
@@ -367,6 +365,10 @@ def rows_table(pool: PagedPool, rows_B, span: int | None):
     return span_table(table, pool.page_size, span)
 
 
-def sampling_key(temperature: float, top_p: float) -> tuple[float, float]:
-    """The static sampling setting of a compiled step (top_p is irrelevant when greedy)."""
-    return (0.0, 1.0) if temperature <= 0 else (float(temperature), float(top_p))
+def sampling_args(rows: int, temperature=None, top_p=None) -> dict:
+    """A program call's sampling arguments from numbers or per-row arrays (None: greedy, top_p
+    1): `temperature_B`, `top_p_B` [rows] float32 and the static `sampled` (any row at a
+    temperature above 0)."""
+    t = np.broadcast_to(np.asarray(0.0 if temperature is None else temperature, np.float32), (rows,))
+    p = np.broadcast_to(np.asarray(1.0 if top_p is None else top_p, np.float32), (rows,))
+    return {"temperature_B": t, "top_p_B": p, "sampled": bool((t > 0).any())}

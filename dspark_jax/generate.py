@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dspark_jax.batcher import Batcher, Request, pow2
-from dspark_jax.engine import Engine, sampling_key
+from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
@@ -106,7 +106,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     check = stop_checker(stops, tokenizer)
 
     if engine is None:
-        engine = engine_for(target, draft, config, temperature, top_p)
+        engine = engine_for(target, draft, config)
     batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
                       speculative_length=config.speculative_length, step_costs=config.step_costs,
                       max_num_batched_tokens=config.max_num_batched_tokens)
@@ -128,9 +128,9 @@ MAX_CACHED_TARGETS = 4
 _ENGINES: "collections.OrderedDict[int, tuple[Any, dict]]" = collections.OrderedDict()
 
 
-def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, top_p: float = 1.0) -> Engine:
+def engine_for(target, draft, config: EngineConfig) -> Engine:
     """The Engine for one setting, kept per target (the last `MAX_CACHED_TARGETS`), so repeated
-    `generate()` calls (and regen, benchmarks) reuse its compiled programs."""
+    `generate()` calls (and regen, benchmarks) reuse its compiled programs, whatever their sampling."""
     entry = _ENGINES.get(id(target))
     if entry is None or entry[0] is not target:
         entry = _ENGINES[id(target)] = (target, {})
@@ -140,10 +140,10 @@ def engine_for(target, draft, config: EngineConfig, temperature: float = 0.0, to
     per_target = entry[1]
     programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None,
                               max_num_batched_tokens=None)
-    key = (id(draft), programs, *sampling_key(temperature, top_p), kernel_mode(), mla_paged_min_keys())
+    key = (id(draft), programs, kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:
-        eng = per_target[key] = Engine(target, draft, config, temperature=temperature, top_p=top_p)
+        eng = per_target[key] = Engine(target, draft, config)
     return eng
 
 

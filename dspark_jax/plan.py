@@ -9,8 +9,8 @@ per-device bytes, the cache bytes, and per program XLA's own per-device buffer a
 The programs are the server's (`dspark_jax.plan_programs`): an `Engine` over the abstract weights
 (placed as `sharding.param_shardings` places them) and the engine's own cache shardings drives a
 `Batcher` with the serving flags (slots, `max_model_len`, `max_num_batched_tokens`, speculation
-length). `warmup.program_shapes` lists what that batcher can call (greedy and the API's default
-sampling, as `serve.server` warms up); the plan makes the batcher's own call for the largest shape
+length). `warmup.program_shapes` lists what that batcher can call (greedy and sampling programs,
+as `serve.server` warms up); the plan makes the batcher's own call for the largest shape
 of each kind (`warmup.call_program`), and the engine, instead of running it, hands back the jitted
 program (`Engine.prefill_jit` / `step_jit`) with exactly those arguments, which is then lowered
 and compiled:
@@ -55,7 +55,7 @@ from dspark_jax import warmup
 from dspark_jax.cache import TargetCaches
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.plan_programs import (PROGRAMS, SERVER_SAMPLINGS, MoEFlops, describe, largest_programs, moe_flops,
+from dspark_jax.plan_programs import (PROGRAMS, MoEFlops, describe, largest_programs, moe_flops,
                                       program_call, serving_batcher)
 
 GIB = 2**30
@@ -325,7 +325,7 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
     t = batcher.engine.t
     if progress:
         progress(f"abstract models built in {time.perf_counter() - t0:.1f} s")
-    shapes = warmup.program_shapes(batcher, SERVER_SAMPLINGS)
+    shapes = warmup.program_shapes(batcher, sampled=True)
     largest = largest_programs(shapes, t)
     # no context mesh, as in serve.server: the programs find the mesh on their arguments' shardings
     reports = [compile_program(kind, describe(kind, s, batcher), program_call(batcher, s).lower, progress)[0]
@@ -396,7 +396,7 @@ def format_plan(plan: Plan, title: str) -> list[str]:
 def _warmup_lines(plan: Plan) -> list[str]:
     total = sum(plan.warmup_programs.values())
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(plan.warmup_programs.items()))
-    lines = ["", f"server warm-up list (dspark_jax.warmup.program_shapes, greedy and the API's default sampling): "
+    lines = ["", f"server warm-up list (dspark_jax.warmup.program_shapes, greedy and sampling): "
                  f"{total} programs ({kinds})" + ("; the largest of each kind compiled above" if plan.programs else "")]
     if plan.programs and total:
         mean = sum(p.lower_s + p.compile_s for p in plan.programs) / len(plan.programs)

@@ -31,8 +31,6 @@ from dspark_jax.spec_length import StepCosts
 
 # the programs a plan compiles, the largest of each kind in the server's warm-up list
 PROGRAMS = ("prefill", "step", "verify")
-# the sampling settings serve.server warms up: greedy and the API's default
-SERVER_SAMPLINGS = (warmup.GREEDY, warmup.API_DEFAULT)
 
 
 class ProgramCall(Exception):
@@ -108,7 +106,7 @@ def program_call(batcher: Batcher, shape: warmup.ProgramShape) -> ProgramCall:
 
 def describe(kind: str, s: warmup.ProgramShape, batcher: Batcher) -> str:
     t, max_len = batcher.engine.t, batcher.max_len
-    sampling = "greedy" if s.sampling == warmup.GREEDY else f"temperature {s.sampling[0]:g}, top_p {s.sampling[1]:g}"
+    sampling = "sampling" if s.sampled else "greedy"
     if kind == "prefill":
         span = batcher._span(s.offset + s.length)
         what = f"{s.rows} x {s.length}-token prompt chunk at position {s.offset} (target + draft context rows)"

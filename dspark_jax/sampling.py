@@ -16,12 +16,13 @@ from dspark_jax.numerics import acc_dtype
 _UNROLL_MARKOV = True
 
 
-def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float = 0.0,
-                 top_p: float = 1.0, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature=0.0, top_p=1.0,
+                 key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The Markov head, left to right: logits_k = base_k + W1[prev_k] W2^T (fp32; float64 under
-    x64), d_{k+1} drawn from them (argmax at T=0), prev_{k+1} = d_{k+1}. Returns drafts as
-    target ids and the biased logits over the draft vocabulary [B,T,K] (K = V unless reduced: the
-    drawn draft index is mapped to its target id, which is also the next previous token)."""
+    x64), d_{k+1} drawn from them (argmax at temperature 0; numbers or per-row arrays, as in
+    `sample_tokens`), prev_{k+1} = d_{k+1}. Returns drafts as target ids and the biased logits
+    over the draft vocabulary [B,T,K] (K = V unless reduced: the drawn draft index is mapped to
+    its target id, which is also the next previous token)."""
     t = base_BTV.shape[1]
     keys = jax.random.split(key, t) if key is not None else jnp.zeros((t, 2), jnp.uint32)
 
@@ -37,11 +38,34 @@ def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature: float
     return jnp.swapaxes(tokens_TB, 0, 1), jnp.swapaxes(logits_TBV, 0, 1)
 
 
-def filter_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """Temperature + top-p applied identically to draft and target distributions (log-probs)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    if top_p >= 1.0:
-        return logp
+def filter_logits(logits: jax.Array, temperature, top_p) -> jax.Array:
+    """Temperature + top-p applied identically to draft and target distributions (log-probs).
+    `temperature`, `top_p`: Python numbers (one setting, fixed in the program) or per-row arrays
+    [B] over logits [B, ..., V] (traced: one program serves every setting). A row at temperature
+    0 is computed at temperature 1 (its token is the argmax: `sample_tokens`, `accept_sampling`);
+    a row at top_p 1 keeps its full distribution, bit for bit."""
+    if not _per_row(temperature) and not _per_row(top_p):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        return logp if top_p >= 1.0 else _nucleus(logp, top_p)
+    t = _row_values(temperature, logits)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), axis=-1)
+    p = _row_values(top_p, logits)
+    # the sort over the vocabulary runs only in steps where some row asks for a nucleus
+    return jax.lax.cond(jnp.any(p < 1.0), lambda lp: jnp.where(p >= 1.0, lp, _nucleus(lp, p)), lambda lp: lp, logp)
+
+
+def _per_row(x) -> bool:
+    return not isinstance(x, (int, float))
+
+
+def _row_values(x, like: jax.Array) -> jax.Array:
+    """Per-row values [B] (or a number) shaped to broadcast over `like` [B, ..., V]."""
+    x = jnp.asarray(x, jnp.float32)
+    return x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
+
+
+def _nucleus(logp: jax.Array, top_p) -> jax.Array:
+    """The smallest set of most probable tokens whose mass reaches top_p, renormalised."""
     order = jnp.argsort(-logp, axis=-1)
     sorted_p = jnp.exp(jnp.take_along_axis(logp, order, axis=-1))
     keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p      # always keeps the top token
@@ -58,7 +82,11 @@ def _unsort(values, order):
     return out.reshape(values.shape)
 
 
-def sample_tokens(logits_BV: jax.Array, temperature: float, top_p: float, key: jax.Array | None) -> jax.Array:
-    if temperature <= 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits_BV, temperature, top_p), axis=-1).astype(jnp.int32)
+def sample_tokens(logits_BV: jax.Array, temperature, top_p, key: jax.Array | None) -> jax.Array:
+    """A token per row: argmax where the row's temperature is 0 (or no key is given), else drawn
+    from the row's filtered distribution (`filter_logits`: numbers or per-row arrays)."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if key is None or (not _per_row(temperature) and temperature <= 0):
+        return greedy
+    drawn = jax.random.categorical(key, filter_logits(logits_BV, temperature, top_p), axis=-1).astype(jnp.int32)
+    return drawn if not _per_row(temperature) else jnp.where(jnp.asarray(temperature) > 0, drawn, greedy)

@@ -76,7 +76,7 @@ class DraftProposal(NamedTuple):
 
 def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax.Array,
                 anchor_pos_B: jax.Array, pool: PagedPool, first_row: int, num_tokens: int, *,
-                temperature: float = 0.0, top_p: float = 1.0, key: jax.Array | None = None,
+                temperature=0.0, top_p=1.0, key: jax.Array | None = None,
                 active_B: jax.Array | None = None) -> DraftProposal:
     """One block pass: block `[x0, M x (T-1)]` at positions p..p+T-1 (x0 = anchor at p) attends to
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
@@ -135,14 +135,15 @@ def _leading_true(match_BT: jax.Array) -> jax.Array:
 
 
 def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, drafts_BT: jax.Array,
-                    temperature: float, top_p: float, key: jax.Array,
-                    limit_B: jax.Array | None = None) -> Acceptance:
+                    temperature, top_p, key: jax.Array, limit_B: jax.Array | None = None) -> Acceptance:
     """Lossless speculative sampling: accept d_k with prob min(1, p(d_k)/q(d_k)); at the first
     rejection emit a sample of the residual norm(max(p - q, 0)); if all accepted, a bonus sample
     from p at the last row. p, q are the target's and the draft's (Markov-biased) distributions
     after the same temperature/top-p; q may be zero (-inf logits) outside a reduced draft
     vocabulary (drafts never fall there). `limit_B` caps the drafts each row verifies (room left,
-    or the confidence schedule): a cut made without looking at the target keeps this lossless."""
+    or the confidence schedule): a cut made without looking at the target keeps this lossless.
+    `temperature`, `top_p`: numbers, or per-row arrays [B]; rows at temperature 0 are verified
+    greedily (`accept_greedy`), so one program serves a batch of mixed settings."""
     b, t = drafts_BT.shape
     logp = filter_logits(target_logits_BT1V, temperature, top_p)       # [B,T+1,V]
     logq = filter_logits(draft_logits_BTV, temperature, top_p)          # [B,T,V]
@@ -168,4 +169,9 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     fix = jax.random.categorical(k_res, jnp.log(resid_n), axis=-1).astype(drafts_BT.dtype)
     emitted = jnp.concatenate([drafts_BT, jnp.zeros_like(drafts_BT[:, :1])], 1)
     emitted = emitted.at[jnp.arange(b), n].set(fix)
-    return Acceptance(n, emitted)
+    if isinstance(temperature, (int, float)):
+        return Acceptance(n, emitted)
+    greedy = accept_greedy(target_logits_BT1V, drafts_BT, limit_B)
+    drawn_B = jnp.asarray(temperature) > 0
+    return Acceptance(jnp.where(drawn_B, n, greedy.num_accepted_B),
+                      jnp.where(drawn_B[:, None], emitted, greedy.emitted_BT1))

@@ -1,7 +1,8 @@
 """Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
 
-`program_shapes` lists every (program, rows, length) shape a batcher can call for some sampling
-settings: prefill per batch bucket x chunk bucket within `max_num_batched_tokens` (first chunks),
+`program_shapes` lists every (program, rows, length) shape a batcher can call, greedy and (with
+`sampled=True`) sampling, the two variants of each (sampling settings are traced per row, so one
+sampling program serves every temperature and top_p): prefill per batch bucket x chunk bucket within `max_num_batched_tokens` (first chunks),
 and one full-width chunk per span bucket a longer prompt's later chunks reach (`Batcher._next_chunks`),
 the decode step per batch bucket x span bucket x speculation length the batcher can choose
 (`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
@@ -23,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import numpy as np
@@ -33,21 +34,20 @@ from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
 log = logging.getLogger("dspark_jax")
 
 ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
-GREEDY = (0.0, 1.0)
-API_DEFAULT = (1.0, 1.0)                  # OpenAI's temperature/top_p when a request gives none
 
 
 @dataclass(frozen=True)
 class ProgramShape:
     """One compiled program a batcher can call. `length`: the chunk bucket (prefill) or the span
-    bucket (steps; None: every position); `width`: drafts verified (None: the engine's T; 0 with a
-    T > 0 engine: a one-token step; else a shorter speculation length); `offset`: a later chunk's
-    first position (its span bucket covers offset + length)."""
+    bucket (steps; None: every position); `sampled`: the program of steps where some row samples
+    (else every row is greedy); `width`: drafts verified (None: the engine's T; 0 with a T > 0
+    engine: a one-token step; else a shorter speculation length); `offset`: a later chunk's first
+    position (its span bucket covers offset + length)."""
 
     kind: str                      # "prefill" or "step"
     rows: int
     length: int | None
-    sampling: tuple[float, float]
+    sampled: bool
     width: int | None = None
     offset: int = 0
 
@@ -58,12 +58,12 @@ class ProgramShape:
         what = f"{self.kind} {self.rows}x{self.length or 'all'}" + (f" at {self.offset}" if self.offset else "")
         if self.width is not None:
             what += f" width {self.width}"
-        return what + ("" if self.sampling == GREEDY else f" T={self.sampling[0]:g}/p={self.sampling[1]:g}")
+        return what + (" sampled" if self.sampled else "")
 
 
-def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = (GREEDY,)) -> list[ProgramShape]:
-    """Every shape `batcher` can call for these sampling settings, cheapest first (greedy first
-    among equals)."""
+def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape]:
+    """Every shape `batcher` can call for greedy requests (and for sampled ones with `sampled`),
+    cheapest first (greedy first among equals)."""
     slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
     buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
     longest_prompt = max_len - t - 1
@@ -81,24 +81,21 @@ def program_shapes(batcher: Batcher, samplings: Sequence[tuple[float, float]] = 
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     widths = [None if n == t else n for n in batcher.reachable_lengths()]
     out = []
-    for sampling in samplings:
+    for s in (False, True) if sampled else (False,):
         for b in buckets:
-            out += [ProgramShape("prefill", b, c, sampling) for c in chunks
-                    if budget is None or b == 1 or b * c <= budget]
+            out += [ProgramShape("prefill", b, c, s) for c in chunks if budget is None or b == 1 or b * c <= budget]
             if b == 1:
-                out += [ProgramShape("prefill", 1, budget, sampling, offset=o) for o in later.values()]
-            out += [ProgramShape("step", b, span, sampling, w) for span in spans for w in widths]
-    order = {s: i for i, s in enumerate(samplings)}
-    return sorted(out, key=lambda p: (p.cost(max_len), order[p.sampling], p.kind, p.width or 0))
+                out += [ProgramShape("prefill", 1, budget, s, offset=o) for o in later.values()]
+            out += [ProgramShape("step", b, span, s, w) for span in spans for w in widths]
+    return sorted(out, key=lambda p: (p.cost(max_len), p.sampled, p.kind, p.width or 0))
 
 
-def warm_up(batcher: Batcher, *, max_programs: int | None = None,
-            samplings: Sequence[tuple[float, float]] = (GREEDY,),
+def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool = False,
             progress: Callable[[int, int, ProgramShape], None] | None = None) -> dict:
     """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all).
     Returns {"programs", "skipped",
     "seconds", "cache_hits"} (cache_hits: loaded from the persistent compilation cache)."""
-    shapes = program_shapes(batcher, samplings)
+    shapes = program_shapes(batcher, sampled)
     todo = shapes if max_programs is None else shapes[:max_programs]
     hits = []
     listener = (lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
@@ -127,7 +124,7 @@ def call_program(batcher: Batcher, shape: ProgramShape) -> None:
     `run_prefill` / `run_step`; the deployment plan (`dspark_jax.plan`) lowers the programs so."""
     rows = np.full(shape.rows, batcher.num_slots, np.int32)     # padding rows only
     zeros = np.zeros(shape.rows, np.int32)
-    temperature, top_p = shape.sampling
+    temperature, top_p = (1.0 if shape.sampled else 0.0), 1.0
     if shape.kind == "prefill":
         batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p,
                             np.full(shape.rows, shape.offset, np.int32))

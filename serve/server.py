@@ -33,7 +33,7 @@ flags.DEFINE_integer("max_queue_len", 256, "Requests allowed to wait for a slot;
 flags.DEFINE_float("stats_interval", 10.0, "Seconds between [MTP Stats] log lines.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Sampling seed of the engine (requests with temperature > 0).")
 flags.DEFINE_bool("warmup", True, "Compile the programs requests can meet (batch x length buckets, greedy and "
-                  "the API's default sampling) before accepting requests.")
+                  "sampling: one program serves every temperature and top_p) before accepting requests.")
 flags.DEFINE_integer("warmup_max_programs", 32, "Compile at most this many programs at warm-up, the cheapest "
                      "shapes first (the rest compile on first use, once per compilation cache); unset: all.",
                      lower_bound=0)
@@ -85,8 +85,7 @@ def main(argv) -> None:
                       speculative_length=config.speculative_length,
                       max_num_batched_tokens=config.max_num_batched_tokens)
     if FLAGS.warmup:
-        warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, samplings=(warmup.GREEDY, warmup.API_DEFAULT),
-                       progress=warmup.ProgressBar())
+        warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, sampled=True, progress=warmup.ProgressBar())
         # the adaptive speculation length's step costs, once per host and model (then from disk)
         warmup.measure_step_costs(batcher, progress=lambda i, n, rows: log.info(
             "measuring step costs: batch bucket %d (%d/%d)", rows, i + 1, n))

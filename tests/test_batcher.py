@@ -80,7 +80,7 @@ def test_admission_and_inactive_rows_leave_other_slots_untouched(k3):
     assert r1.slot == 1
     _assert_same(_pages_of(b.caches, 0), snap0)
     _assert_same(_pages_of(b.caches, 2), snap2)
-    # a step in which slot 1 is inactive (as when its sampling group sits a step out) leaves it as it was
+    # a step in which slot 1 is inactive leaves it as it was
     snap1 = _pages_of(b.caches, 1)
     eng = engines[T]
     _, _, caches = eng.step(jnp.asarray(b.x0), jnp.asarray(b.lens), jnp.asarray([True, False, False]),
@@ -134,15 +134,21 @@ def test_staggered_admissions_equal_solo_greedy(request, pair):
     assert b.num_running == 0 and b.stats.to_dict()["num_verify_steps"] > 0
 
 
-def test_mixed_sampling_groups_keep_greedy_rows_exact(llama):
-    """Greedy and sampled requests share the batch (alternating steps); the greedy ones still
-    equal greedy decoding, the sampled ones produce their full budget."""
+def test_mixed_sampling_settings_share_steps_and_keep_greedy_rows_exact(llama):
+    """Greedy requests and requests at two sampling settings share every step (one program:
+    settings are per row); the greedy ones still equal greedy decoding, the sampled ones produce
+    their full budget."""
     target, engines = llama
     ps = prompts(4, target.cfg.vocab_size, seed=24, lo=3, hi=14)
     want = [_solo(engines[0], p, 16, frozenset()) for p in ps]
     b = Batcher(engines[T], 4, MAX_LEN, seed=3)
-    reqs = [Request(p, 16, temperature=0.0 if i % 2 == 0 else 0.9) for i, p in enumerate(ps)]
+    reqs = [Request(p, 16, temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.8 if i == 3 else 1.0)
+            for i, p in enumerate(ps)]
     b.run(reqs)
+    # every step advances every running row by at least one token: 15 tokens after the first
+    # (prefill's) take at most 15 steps when the rows step together, and about twice that if
+    # each setting took turns
+    assert b.num_steps <= 15
     for i, r in enumerate(reqs):
         assert len(r.tokens) == 16
         if i % 2 == 0:
@@ -250,14 +256,15 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
 
 
 def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
-    """A request alone in a 4-slot batcher runs batch-1 steps. Beside it (slot 0, sampled), three
-    greedy requests run as one batch-4 step of slots 1..3 and a padding row, which writes nothing:
-    slot 0's pages and KDA states stay bitwise as they were, and the greedy requests equal each
-    one decoded alone."""
+    """A request alone in a 4-slot batcher runs batch-1 steps. With three greedy requests running
+    (slots 0..2) and a fourth whose long prompt is part-way in (slot 3), a step is one batch-4
+    call of slots 0..2 and a padding row, which writes nothing: slot 3's pages and KDA states stay
+    bitwise as they were, and the greedy requests equal each one decoded alone."""
     target, engines = k3
     eng = engines[T]
-    ps = prompts(4, target.cfg.vocab_size, seed=25, lo=4, hi=12)
-    want = [_solo(engines[0], p, 12, frozenset()) for p in ps[1:]]
+    ps = prompts(3, target.cfg.vocab_size, seed=25, lo=4, hi=12)
+    long_prompt = prompts(1, target.cfg.vocab_size, seed=26, lo=100, hi=101)[0]
+    want = [_solo(engines[0], p, 12, frozenset()) for p in ps]
     calls = []
     step = eng.step
 
@@ -267,24 +274,27 @@ def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
 
     eng.step = spy
     try:
-        b = Batcher(eng, 4, MAX_LEN, seed=1)
-        b.add(Request(ps[0], 500, temperature=0.9))
+        b = Batcher(eng, 4, MAX_LEN, seed=1, max_num_batched_tokens=64)
+        greedy = [Request(p, 12) for p in ps]
+        b.add(greedy[0])
         b.step()
         b.step()
         assert calls == [(1, (0,))] * 2
-        greedy = [Request(p, 12) for p in ps[1:]]
-        for r in greedy:
-            b.add(r)
-        b._admit()
-        assert [r.slot for r in greedy] == [1, 2, 3]
+        b.add(greedy[1])
+        b.add(greedy[2])
+        b._admit()                                   # both prompts in one call
+        later = Request(long_prompt, 8)
+        b.add(later)
+        b._admit()                                   # its first 64 tokens: slot 3 now holds state
+        assert [r.slot for r in greedy] == [0, 1, 2] and later.slot == 3 and later.prefilled == 64
+        snap3 = _pages_of(b.caches, 3)
+        assert np.asarray(snap3[0]).any() and np.abs(snap3[1][1]).max() > 0
         checked = 0
         while any(r.finish_reason is None for r in greedy):
-            snap0 = _pages_of(b.caches, 0)
             calls.clear()
             b._decode()
-            if calls[0][1] == (1, 2, 3, 4):           # the greedy group's step, with a padding row
-                _assert_same(_pages_of(b.caches, 0), snap0)
-                checked += 1
+            _assert_same(_pages_of(b.caches, 3), snap3)
+            checked += calls[0][1] == (0, 1, 2, 4)    # a padding row beside the three
             assert calls[0][0] in (1, 2, 4)
         assert checked > 0
         assert [r.tokens for r in greedy] == want

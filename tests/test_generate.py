@@ -249,6 +249,53 @@ def _exact_two_token_marginal(target, prompt):
     return p1, p1 @ p2
 
 
+def test_per_row_sampling_settings_give_each_row_its_own_distribution():
+    """One rejection-sampling call over rows of different settings (greedy, temperature 0.7,
+    temperature 1.3 with top_p 0.8, top_p 0.5): the greedy row is exactly greedy verification,
+    and each other row's emitted tokens follow its own filtered target distribution (chi-square,
+    N=40000, alpha=1e-3), with drafts drawn from its own filtered draft distribution."""
+    from dspark_jax.sampling import filter_logits, sample_tokens
+    v, t, n = 6, 3, 40000
+    temps = jnp.asarray([0.0, 0.7, 1.3, 1.0], jnp.float32)
+    tops = jnp.asarray([1.0, 1.0, 0.8, 0.5], jnp.float32)
+    rng = np.random.default_rng(1)
+    tl = jnp.asarray(rng.normal(size=(4, t + 1, v)) * 1.5, jnp.float32)
+    dl = jnp.asarray(rng.normal(size=(4, t, v)) * 1.5, jnp.float32)
+    # per row, the filtered distributions are the ones a call with that row's numbers gives
+    for i in range(1, 4):
+        one = filter_logits(tl[i:i + 1], float(temps[i]), float(tops[i]))
+        np.testing.assert_allclose(np.asarray(filter_logits(tl, temps, tops)[i:i + 1]), np.asarray(one),
+                                   rtol=2**-13, atol=2**-13)
+    logq = filter_logits(dl, temps, tops)
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        drafts = jax.random.categorical(kd, logq, axis=-1)
+        acc = steps.accept_sampling(tl, dl, drafts, temps, tops, ka)
+        return acc.num_accepted_B, acc.emitted_BT1, drafts
+
+    nacc, emitted, drafts = (np.asarray(x) for x in jax.jit(jax.vmap(one))(keys))
+    greedy = jax.vmap(lambda d: steps.accept_greedy(tl[:1], d[None]))(jnp.asarray(drafts[:, 0]))
+    np.testing.assert_array_equal(nacc[:, 0], np.asarray(greedy.num_accepted_B)[:, 0])
+    np.testing.assert_array_equal(emitted[:, 0], np.asarray(greedy.emitted_BT1)[:, 0])
+    p = np.exp(np.asarray(filter_logits(tl, temps, tops), np.float64))
+    tested = 0
+    for i in range(1, 4):
+        for pos in range(t + 1):
+            counts = np.bincount(emitted[nacc[:, i] >= pos][:, i, pos], minlength=v)
+            kept = p[i, pos] > 0                # a top-p row never emits a token outside its nucleus
+            assert not counts[~kept].any(), (i, pos)
+            if kept.sum() > 1 and counts.sum() >= 1000:
+                assert chi2_pvalue(counts[kept], p[i, pos][kept] / p[i, pos][kept].sum()) > 1e-3, (i, pos)
+                tested += 1
+    assert tested >= 8
+    assert not (p[2:] > 0).all() and (p[1] > 0).all()      # the nuclei cut something; top_p 1 keeps all
+    # and a greedy row among sampled ones takes the argmax
+    drawn = jax.vmap(lambda k: sample_tokens(tl[:, 0], temps, tops, k))(keys[:64])
+    assert (np.asarray(drawn)[:, 0] == int(jnp.argmax(tl[0, 0]))).all()
+
+
 def test_speculative_sampling_matches_target_distribution():
     """End to end on a vocab-12 model: 2000 sampled continuations (temperature 1) with the draft;
     the 2nd token (the first one produced by a speculative step) must follow the target's exact

@@ -107,7 +107,7 @@ def test_plan_programs_are_the_servers():
     mesh = sharding.make_mesh(tensor=8)
     batcher = plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, mesh)
     eng = batcher.engine
-    shapes = warmup.program_shapes(batcher, plan_programs.SERVER_SAMPLINGS)
+    shapes = warmup.program_shapes(batcher, sampled=True)
     largest = plan_programs.largest_programs(shapes, eng.t)
     assert list(largest) == ["prefill", "step", "verify"]
     # 256 positions, T = 3: the longest prompt is 252 tokens; its 64-token chunks reach every
@@ -132,7 +132,7 @@ def test_plan_programs_are_the_servers():
                    TINY_ENGINE.max_num_seqs, TINY_ENGINE.max_model_len, step_costs=StepCosts(),
                    speculative_length=TINY_ENGINE.speculative_length,
                    max_num_batched_tokens=TINY_ENGINE.max_num_batched_tokens)
-    assert shapes == warmup.program_shapes(real, (warmup.GREEDY, warmup.API_DEFAULT))
+    assert shapes == warmup.program_shapes(real, sampled=True)
     assert {s.width for s in shapes if s.kind == "step"} == {0, 1, None}      # lengths 0, 1, 3
 
 
@@ -161,7 +161,7 @@ def test_tiny_plan_compiles_and_accounts_memory():
     n_shapes = sum(plan.warmup_programs.values())
     assert n_shapes == len(warmup.program_shapes(
         plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, sharding.make_mesh(tensor=8)),
-        plan_programs.SERVER_SAMPLINGS))
+        sampled=True))
     lines = plan_lib.format_plan(plan, "tiny")
     assert LAST_LINE.match(lines[-1]) and plan.fits
     assert any(line.startswith("routed experts (MXFP4 packed)") and "(tensor, -, -)" in line for line in lines)

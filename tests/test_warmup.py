@@ -51,18 +51,21 @@ def _dear_at_two_rows(rows: int, n: int) -> float:
 @pytest.mark.parametrize("speculative_length,budget", [("fixed", 32), ("adaptive", None)])
 def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget):
     """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
-    64, 96 reach two span buckets), short ones several to a call."""
+    64, 96 reach two span buckets), short ones several to a call. With the sampling programs warmed
+    too (the fixed case), requests at settings never seen before share the steps and compile
+    nothing either."""
     from dspark_jax.spec_length import StepCosts
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
     costs = StepCosts.of(_dear_at_two_rows)
     kw = dict(speculative_length=speculative_length, step_costs=costs, max_num_batched_tokens=budget)
     b = Batcher(eng, 2, 128, **kw)
+    sampled = speculative_length == "fixed"
     widths = {s.width for s in warmup.program_shapes(b) if s.kind == "step"}
     assert widths == ({None} if speculative_length == "fixed" else {0, 1, 3, None})
     with CompileCounter() as warm:
-        info = warmup.warm_up(b)
-    assert info["programs"] == len(warmup.program_shapes(b)) and info["skipped"] == 0
+        info = warmup.warm_up(b, sampled=sampled)
+    assert info["programs"] == len(warmup.program_shapes(b, sampled)) and info["skipped"] == 0
     assert warm.count > 0
     # padding rows only: the warm-up wrote nothing
     assert not np.asarray(b.caches.pool.pages).any()
@@ -72,6 +75,8 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
         short = b.run([Request(ps[0], 6)])                           # a short request alone
         many = b.run([Request(p, 30) for p in ps])                   # then a batch, slots reused
         b.run([Request(ps[1], 12), Request(long_prompt, 8)])         # and the longest prompt beside one
+        if sampled:                                                  # settings no warm-up call used
+            b.run([Request(ps[2], 10, temperature=0.7, top_p=0.9), Request(ps[3], 10, temperature=1.3)])
     if speculative_length == "fixed":
         assert served.count == 0
     else:
@@ -88,7 +93,7 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     target, draft = pair
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
     b = Batcher(eng, 8, 1024)
-    shapes = warmup.program_shapes(b, (warmup.GREEDY, warmup.API_DEFAULT))
+    shapes = warmup.program_shapes(b, sampled=True)
     # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; spans 64..512 and all
     assert {s.rows for s in shapes} == {1, 2, 4, 8}
     assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
@@ -96,7 +101,7 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     assert len(shapes) == 2 * 4 * (7 + 5)
     costs = [s.cost(1024) for s in shapes]
     assert costs == sorted(costs)
-    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, warmup.GREEDY)
+    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, False)
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
     # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a

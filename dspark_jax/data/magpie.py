@@ -138,8 +138,7 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     prompts = [tokenizer.encode(prefix + w) for w in words] or [tokenizer.encode(prefix)]
     id_prefix = "magpie-open" if words else "magpie"
     eos = frozenset(eos_ids(target, tokenizer))
-    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature,
-                        settings.top_p)
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
     max_len = max(map(len, prompts)) + settings.max_new_tokens + 1
     t0 = last_log = time.time()
     with open(cache, "a", encoding="utf-8") as f:

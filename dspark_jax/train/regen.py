@@ -312,7 +312,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
         raise ValueError(f"prompts longer than the target's {limit} positions: {too_long[:5]}")
     max_len = min(limit, pow2(max(len(p) for p in prompts) + settings.max_new_tokens + 1))
     eos = frozenset(eos_ids(target, tokenizer))
-    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0), settings.temperature)
+    engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
     dtype = np.dtype(engine.compute_dtype).name
     batcher = Batcher(engine, batch_size, max_len, seed=settings.seed, max_num_batched_tokens=max_num_batched_tokens)
     for i, p in enumerate(prompts):
