@@ -13,6 +13,14 @@ Prints per concurrency: total tokens/s (every client's tokens over the wall time
 stream (median), time to first token (median, p90) and the time between streamed chunks (p50,
 p90, p99; with speculation a chunk carries the 1..T+1 tokens of one verify step). CPU numbers are
 only meaningful as ratios measured in one run.
+
+`--generate_reference` (on by default when the benchmark starts the servers) then stops the
+server and runs the same requests through `generate()` in this process, the same draft setting
+and the library's defaults (the demo pair unless `--reference_model` / `--reference_draft` name
+others): for each concurrency c, each round of c requests (every client's k-th) as one call, after
+one untimed pass. It prints the server's total tokens/s over `generate()`'s, the library's own
+speed on the same work. Meaningful when `--server_flags` changes only serving limits (slots,
+context, budgets), not the model or its dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +49,11 @@ _SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "extra serve.server flag
 _API_KEY = flags.DEFINE_string("api_key", None, "the server's --api_key, if any")
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _START_TIMEOUT = flags.DEFINE_float("start_timeout", 1800.0, "seconds to wait for a started server's /health")
+_REFERENCE = flags.DEFINE_bool("generate_reference", True, "also time generate() on the same requests, in this "
+                               "process, after each started server stops (not with --url)")
+_REF_MODEL = flags.DEFINE_string("reference_model", "smollm2-135m", "the target generate() loads for the reference")
+_REF_DRAFT = flags.DEFINE_string("reference_draft", "smollm2-135m-dspark", "the draft of the reference for the "
+                                 "'default' draft setting")
 
 def _questions() -> list[str]:
     """GSM8K test questions (the data registry fetches the file once)."""
@@ -97,6 +110,30 @@ async def _round(url: str, concurrency: int, per_client: int, max_tokens: int, q
             "gap_ms_p99": 1000 * _pct(gaps, 0.99)}
 
 
+def _reference(draft: str, concurrency: list[int], per_client: int, max_tokens: int,
+               questions: list[str]) -> dict[int, float]:
+    """generate()'s total tokens/s on the requests `_round` sends, per concurrency: each client's
+    k-th request of every client in one call (one untimed pass first, which compiles)."""
+    from dspark_jax import generate, load_target
+    from dspark_jax.serving.pair import load_draft_spec
+
+    target = load_target(_REF_MODEL.value, dtype="auto")
+    d = load_draft_spec(_REF_DRAFT.value if draft == "default" else draft, target)
+    out = {}
+    for c in concurrency:
+        batches = [[[{"role": "user", "content": questions[(i * per_client + k) % len(questions)]}]
+                    for i in range(c)] for k in range(per_client)]
+        for timed in (False, True):
+            tokens, start = 0, time.perf_counter()
+            for batch in batches:
+                res = generate(target, d, batch, max_new_tokens=max_tokens)
+                tokens += sum(len(o.token_ids) for o in res.outputs)
+            if timed:
+                out[c] = tokens / (time.perf_counter() - start)
+        print(f"  generate(): {c} requests a call, {out[c]:.1f} tok/s", flush=True)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,11 +164,13 @@ def _start(draft: str, extra: str, log_path: Path) -> tuple[subprocess.Popen, st
 
 
 def _table(rows: list[dict]) -> list[str]:
-    out = ["| draft | clients | total tok/s | tok/s per stream (median) | TTFT ms (median / p90) | "
-           "chunk gap ms (p50 / p90 / p99) |", "|---|---:|---:|---:|---:|---:|"]
+    out = ["| draft | clients | total tok/s | generate() tok/s | server / generate() | tok/s per stream (median) | "
+           "TTFT ms (median / p90) | chunk gap ms (p50 / p90 / p99) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['draft']} | {r['concurrency']} | {r['total_tok_s']:.1f} | {r['stream_tok_s_median']:.1f} | "
-                   f"{r['ttft_ms_median']:.0f} / {r['ttft_ms_p90']:.0f} | "
+        ref = r.get("generate_tok_s")
+        vs = f"{ref:.1f} | {r['total_tok_s'] / ref:.2f}x" if ref else "- | -"
+        out.append(f"| {r['draft']} | {r['concurrency']} | {r['total_tok_s']:.1f} | {vs} | "
+                   f"{r['stream_tok_s_median']:.1f} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p90']:.0f} | "
                    f"{r['gap_ms_p50']:.0f} / {r['gap_ms_p90']:.0f} / {r['gap_ms_p99']:.0f} |")
     return out
 
@@ -152,17 +191,23 @@ def main(argv) -> None:
             t0 = time.perf_counter()
             proc, url = _start(draft, _SERVER_FLAGS.value, log_path)
             print(f"  up in {time.perf_counter() - t0:.0f} s", flush=True)
+        got = []
         try:
             asyncio.run(_round(url, 1, 1, _NEW.value, questions))       # first contact, untimed
             for c in concurrency:
                 r = asyncio.run(_round(url, c, _PER.value, _NEW.value, questions))
                 r["draft"] = draft
-                rows.append(r)
+                got.append(r)
                 print("\n".join(_table([r])[-1:]), flush=True)
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(60)
+        if proc is not None and _REFERENCE.value:
+            ref = _reference(draft, concurrency, _PER.value, _NEW.value, questions)
+            for r in got:
+                r["generate_tok_s"] = ref[r["concurrency"]]
+        rows += got
     print("\n" + "\n".join(_table(rows)))
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(rows, indent=1))
