@@ -126,19 +126,36 @@ class Batcher:
         """The lengths steps can verify (what the warm-up compiles)."""
         return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
 
-    def choose_length(self, rows: int, span: int | None = None) -> int:
+    def choose_length(self, rows: int, span: int | None = None, *, longest: int | None = None,
+                      sampled: bool = False) -> int:
         """The speculation length of a step over `rows` rows (a batch bucket) whose speculative span
         bucket is `span`; measures the bucket's step costs first if they are not known yet. Measured
-        costs are corrected by the steps run so far (`StepTimes`)."""
+        costs are corrected by the steps run so far (`StepTimes`); a length is tried to measure it
+        only where its program for this step (`longest`: the longest row's length; `sampled`) has
+        been compiled."""
         if not self.adaptive:
             return self.lengths[0]
         costs = self.step_costs.get(rows, self.lengths)
         if costs is None:
             costs = self.measure_step_costs(rows)
-        unseen = ()
+        unseen, uncompiled = (), ()
         if self.step_costs.measured:
             costs, unseen = self.engine.step_times.corrected(rows, span or self.max_len, costs)
-        return choose_length(self.engine.acceptance, costs, unseen)
+            if longest is not None:
+                uncompiled = [n for n in unseen
+                              if self._program_key(rows, self._span(longest + (self.engine.t if n else 0) + 1),
+                                                   n, sampled) not in self.engine.programs_called]
+        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled)
+
+    def _program_key(self, rows: int, span: int | None, length: int | None, sampled: bool,
+                     given: int | None = None) -> tuple:
+        """What tells one compiled step program from another: the cache geometry, the rows, span,
+        verified and given draft widths, and whether it samples."""
+        t = self.engine.t
+        if given is None and t and (length == 0 or self.proposer is not None):
+            given = t if length is None else length          # a one-token step: empty given drafts
+        width = None if given is not None or length is None or length == t else length
+        return (self.num_slots, self.max_len, rows, span, width, given, sampled)
 
     def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
         """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
@@ -318,9 +335,11 @@ class Batcher:
         x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
         x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
         t = self.engine.t
+        temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
         # costs are keyed by the span a speculative step would see (the same key for every length)
         key_span = self._span(int(lens[:m].max()) + t + 1) or self.max_len
-        length = self.choose_length(len(rows), key_span) if t else 0
+        length = self.choose_length(len(rows), key_span, longest=int(lens[:m].max()),
+                                    sampled=bool((temperature > 0).any())) if t else 0
         started = time.perf_counter()
         # a one-token step needs no room for drafts: the span bucket a plain engine would use
         span = self._span(int(lens[:m].max()) + (t if length else 0) + 1)
@@ -331,7 +350,6 @@ class Batcher:
             drafts = np.zeros((len(rows), length), np.int32)
             for j, i in enumerate(slots):
                 drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)[:length]
-        temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
         n, emitted = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts, length=length)
         self.num_steps += 1
         touched = []
@@ -397,6 +415,8 @@ class Batcher:
             drafts_BT = np.zeros((len(rows_B), 0), np.int32)
         # L = T is the program a fixed-length step runs too (one compilation for both)
         width = None if drafts_BT is not None or length is None or length == eng.t else length
+        eng.programs_called.add(self._program_key(len(rows_B), span, length, bool(np.any(np.asarray(temperature) > 0)),
+                                                  None if drafts_BT is None else drafts_BT.shape[1]))
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
         n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,

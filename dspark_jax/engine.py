@@ -75,6 +75,8 @@ class Engine:
         # pooled acceptance per draft position, what the speculation length is chosen from
         self.acceptance = AcceptanceEstimate(self.t)
         self.step_times = StepTimes()        # what its steps took, host loop included
+        # the step programs called or compiled so far, by shape (`Batcher._program_key`)
+        self.programs_called: set[tuple] = set()
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)

@@ -20,7 +20,9 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   the observed medians replace the table's figures, and the table, scaled by what was observed
   beside it, stands in for a length not run yet at that bucket.
 - `choose_length`: the argmax; a length not observed yet whose estimate comes within
-  `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement.
+  `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement, if
+  its program for the step's shape is compiled already: a compilation (seconds) costs more than
+  the few steps a trial measures are worth.
 
 `$DSPARK_STEP_COSTS` overrides where the tables live: a directory, "off" (measure, keep in memory
 only) or "uniform" (assume every L costs the same as a one-token step: L is always T; what a
@@ -227,12 +229,13 @@ def cost_key(engine) -> dict:
 
 
 def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),
-                  margin: float = EXPLORE_MARGIN) -> int:
+                  margin: float = EXPLORE_MARGIN, *, uncompiled=()) -> int:
     """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
     are the same for every L); the shorter one among equals. Among `unseen` lengths (costs only
-    estimated), the best one within `margin` of the best rate goes first: running it measures it."""
+    estimated), the best one within `margin` of the best rate goes first: running it measures it,
+    unless it is `uncompiled` (no program for this step's shape yet: not compiled to explore)."""
     expected = acceptance.expected_accepted(costs)
     rate = {n: (1.0 + expected[n]) / costs[n] for n in costs}
     best = max(costs, key=lambda n: (rate[n], -n))
-    trial = [n for n in unseen if n != best and rate[n] >= margin * rate[best]]
+    trial = [n for n in unseen if n != best and n not in uncompiled and rate[n] >= margin * rate[best]]
     return max(trial, key=lambda n: (rate[n], -n)) if trial else best

@@ -12,6 +12,7 @@ import pytest
 
 from dspark_jax import warmup
 from dspark_jax.batcher import Batcher, Request
+from dspark_jax.bench.steps_timing import run_every_length
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
@@ -82,6 +83,15 @@ def test_choose_length_first_runs_an_unmeasured_length_close_to_the_best():
     assert choose_length(est, costs, unseen=(0, 1, 3, 7), margin=1.0) == 1
 
 
+def test_a_length_without_its_program_is_not_compiled_to_explore():
+    est = AcceptanceEstimate(7, prior=0.5)          # E[accepted | L] = 0.5, 0.875, 0.992 for L = 1, 3, 7
+    costs = {0: 1.0, 1: 1.4, 3: 2.0, 7: 4.0}       # rates 1.0, 1.071, 0.938, 0.498
+    assert choose_length(est, costs, unseen=(0, 3)) == 0
+    assert choose_length(est, costs, unseen=(0, 3), uncompiled=(0,)) == 3
+    assert choose_length(est, costs, unseen=(0, 3), uncompiled=(0, 3)) == 1
+    assert choose_length(est, costs, unseen=(1,), uncompiled=(1,)) == 1      # the best is run all the same
+
+
 def test_step_times_replace_the_table_where_observed_and_scale_it_elsewhere():
     times = StepTimes(window=4, min_seen=2)
     table = {0: 1.0, 1: 1.5, 3: 2.0, 7: 3.0}
@@ -138,6 +148,13 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     # the steps it ran are timed, by batch bucket, span bucket and length, to correct the table
     seen = again.engine.step_times.seen()
     assert seen and {k[:2] for k in seen} == {(1, 64)} and {k[2] for k in seen} <= {0, 1, 3}
+    # a benchmark's untimed pass then runs every length at each step shape met (padding rows)
+    called = again.engine.programs_called
+    met = {(k[2], k[3], k[6]) for k in called}
+    missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths if again._program_key(r, sp, n, s) not in called}
+    assert missing and run_every_length(again.engine) == len(missing)
+    assert all(again._program_key(r, sp, n, s) in called for r, sp, s in met for n in again.lengths)
+    assert run_every_length(again.engine) == 0
     # another dtype or T is another table
     other = dict(costs_for(Engine(target, draft, EngineConfig(num_speculative_tokens=2))).key)
     assert other != body["key"] and other["num_speculative_tokens"] == 2
