@@ -64,6 +64,7 @@ def _timed(fn):
 
 def main(argv):
     del argv
+    import jax
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
@@ -183,6 +184,10 @@ def main(argv):
                  f"{row['adaptive_tok_per_fwd']:.2f}; steps by length: {chosen})")
         results.append(row)
         print(line, flush=True)
+        # the next batch size meets other cache geometries: drop this one's programs, which hold
+        # hundreds of memory mappings each against the process's limit (vm.max_map_count)
+        jax.clear_caches()
+        eng.programs_called.clear()       # generate()'s speculative engine: what the chooser reads
     if results and not _STEPS_ONLY.value:
         print(f"\ntokens/s, demo settings T = {_T.value}, {_NEW.value} new tokens, {_N.value} GSM8K prompts; "
               f"CPU: {describe_cpu()}")

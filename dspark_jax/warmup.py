@@ -34,6 +34,11 @@ from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
 log = logging.getLogger("dspark_jax")
 
 ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
+# XLA:CPU keeps each compiled program's kernels in memory mappings of their own (the demo pair's
+# step program: ~530-680), and Linux caps a process's mappings (vm.max_map_count, 65,530 by
+# default); past the cap the next compile fails and the process dies. The warm-up stops at this
+# share of the cap, leaving room for the programs requests compile on first use.
+MAPPINGS_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,13 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
 
 def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool = False,
             progress: Callable[[int, int, ProgramShape], None] | None = None) -> dict:
-    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all).
-    Returns {"programs", "skipped",
+    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all),
+    stopping early once the process holds `MAPPINGS_SHARE` of its memory-mapping limit. Returns
+    {"programs", "skipped",
     "seconds", "cache_hits"} (cache_hits: loaded from the persistent compilation cache)."""
     shapes = program_shapes(batcher, sampled)
     todo = shapes if max_programs is None else shapes[:max_programs]
+    done = 0
     hits = []
     listener = (lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
     jax.monitoring.register_event_listener(listener)
@@ -107,6 +114,15 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool 
                 if progress is not None:
                     progress(i, len(todo), shape)
                 call_program(batcher, shape)
+                done += 1
+                held = memory_mappings()
+                if held is not None and held[0] > MAPPINGS_SHARE * held[1] and done < len(todo):
+                    log.warning("warm-up stopped after %d of %d programs: the process holds %d memory mappings of "
+                                "the kernel's limit of %d (vm.max_map_count), and each compiled program keeps "
+                                "hundreds; raise the limit (e.g. sysctl -w vm.max_map_count=1048576) to warm up "
+                                "more", done, len(todo), held[0], held[1])
+                    todo = todo[:done]
+                    break
     finally:
         jax.monitoring.unregister_event_listener(listener)
     if progress is not None and todo:
@@ -133,6 +149,17 @@ def call_program(batcher: Batcher, shape: ProgramShape) -> None:
     if batcher.proposer is not None and batcher.engine.t:
         drafts = np.zeros((shape.rows, batcher.engine.t if shape.width is None else shape.width), np.int32)
     batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts, length=shape.width)
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's per-process limit), or None where the
+    system does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        return held, int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], None] | None = None) -> int:

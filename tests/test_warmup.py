@@ -89,7 +89,7 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
     assert all(len(r.tokens) == 30 for r in many)
 
 
-def test_program_shapes_cheapest_first_and_capped(pair):
+def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     target, draft = pair
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
     b = Batcher(eng, 8, 1024)
@@ -104,6 +104,13 @@ def test_program_shapes_cheapest_first_and_capped(pair):
     assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, False)
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
+    # a process near its memory-mapping limit stops warming up (each program holds mappings)
+    held = warmup.memory_mappings()
+    assert held is None or (held[0] > 0 and held[1] > 0)
+    counts = iter([10, 60, 90, 95])
+    monkeypatch.setattr(warmup, "memory_mappings", lambda: (next(counts), 100))
+    info = warmup.warm_up(b, max_programs=4)
+    assert info == {**info, "programs": 2, "skipped": len(shapes) // 2 - 2}
     # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a
     # longer prompt at one offset per span bucket past the first chunk's (512 at offset 256, all
     # positions from 512)
