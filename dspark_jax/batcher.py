@@ -19,6 +19,9 @@ measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `specul
 "fixed"`: always T). A bucket whose costs are not known yet is measured when first met
 (`measure_step_costs`, a few timed steps on padding rows per length), once per host and model;
 the wall time of every step run then corrects those figures (`StepTimes`).
+
+One module, over 450 lines: admission, chunking, the step-length choice and the program calls all
+read and write the same slot state (lengths, anchors, caches), which a split would pass around.
 """
 
 from __future__ import annotations
