@@ -74,13 +74,13 @@ class Batcher:
     `max_num_batched_tokens` padded prompt tokens over the admitted requests whose prompt is not
     yet in (just their rows; the other slots' caches are untouched), and then one propose/verify
     step over every decoding slot, padded to a batch bucket. Sampling settings are per row
-    (`Engine`): requests of different settings share each call. Finished or aborted requests free their slot at once. `generate()`, the
-    HTTP server and the benchmark all drive this loop.
+    (`Engine`): requests of different settings share each call. Finished or aborted requests free
+    their slot at once. `generate()`, the HTTP server and the benchmark all drive this loop.
 
     Prefill calls take one of two forms (few compiled programs): the first chunks of newly admitted
-    prompts, rows x chunk bucket <= the budget, each prompt's first
-    `max_num_batched_tokens` tokens; or the next chunk of the one prompt longer than that, alone,
-    at the full chunk width, continuing from the KDA state and cache rows its slot holds.
+    prompts, rows x chunk bucket <= the budget, each prompt's first `max_num_batched_tokens` tokens;
+    or the next chunk of the one prompt longer than that, alone, at the full chunk width, continuing
+    from the KDA state and cache rows its slot holds.
     `max_num_batched_tokens=None`: no bound, whole prompts, every admitted one in one call (offline
     batches: `generate()`, answer generation, where no stream waits and admitting all at once
     gives the widest decode steps)."""
@@ -312,8 +312,9 @@ class Batcher:
 
     def _next_chunks(self) -> list[tuple[Request, int]]:
         """(request, tokens) of the next prefill call: the oldest admitted request's next chunk;
-        when that is a first chunk, the first chunks of newer requests beside it while rows (batch bucket) x chunk bucket stays within the budget. A prompt
-        longer than the budget therefore goes in alone, and is the only one part-way through."""
+        when that is a first chunk, the first chunks of newer requests beside it while rows (batch
+        bucket) x chunk bucket stays within the budget. A prompt longer than the budget therefore
+        goes in alone, and is the only one part-way through."""
         budget = self.max_num_batched_tokens
         head = self.filling[0]
         if budget is None:

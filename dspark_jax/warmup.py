@@ -2,13 +2,15 @@
 
 `program_shapes` lists every (program, rows, length) shape a batcher can call, greedy and (with
 `sampled=True`) sampling, the two variants of each (sampling settings are traced per row, so one
-sampling program serves every temperature and top_p): prefill per batch bucket x chunk bucket within `max_num_batched_tokens` (first chunks),
-and one full-width chunk per span bucket a longer prompt's later chunks reach (`Batcher._next_chunks`),
+sampling program serves every temperature and top_p): prefill per batch bucket x chunk bucket
+within `max_num_batched_tokens` (first chunks), and one full-width chunk per span bucket a longer
+prompt's later chunks reach (`Batcher._next_chunks`),
 the decode step per batch bucket x span bucket x speculation length the batcher can choose
 (`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
 through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
 padding rows only, nothing run), so they land in jit's cache as a request would call them; a cap
-keeps the start-up bounded (the shapes past it are the largest, rarest ones).
+keeps the start-up bounded (the shapes past it are the largest, rarest ones), and the warm-up stops
+at half the process's memory-mapping limit (`MAPPINGS_SHARE`).
 
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
 its programs instead of compiling them again. `measure_step_costs` measures the step costs the

@@ -151,7 +151,8 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     # a benchmark's untimed pass then runs every length at each step shape met (padding rows)
     called = again.engine.programs_called
     met = {(k[2], k[3], k[6]) for k in called}
-    missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths if again._program_key(r, sp, n, s) not in called}
+    missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths
+               if again._program_key(r, sp, n, s) not in called}
     assert missing and run_every_length(again.engine) == len(missing)
     assert all(again._program_key(r, sp, n, s) in called for r, sp, s in met for n in again.lengths)
     assert run_every_length(again.engine) == 0
