@@ -30,7 +30,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -151,14 +151,15 @@ class Batcher:
         return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled)
 
     def _program_key(self, rows: int, span: int | None, length: int | None, sampled: bool,
-                     given: int | None = None) -> tuple:
-        """What tells one compiled step program from another: the cache geometry, the rows, span,
-        verified and given draft widths, and whether it samples."""
+                     given: int | None = None) -> "StepProgram":
+        """The step program a call over `rows` rows at `span` verifying `length` drafts (None: T)
+        runs; `given`: the width of drafts passed in (None: the draft model drafts)."""
         t = self.engine.t
         if given is None and t and (length == 0 or self.proposer is not None):
             given = t if length is None else length          # a one-token step: empty given drafts
+        # L = T is the program a fixed-length step runs too (one compilation for both)
         width = None if given is not None or length is None or length == t else length
-        return (self.num_slots, self.max_len, rows, span, width, given, sampled)
+        return StepProgram(self.num_slots, self.max_len, rows, span, width, given, sampled)
 
     def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
         """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
@@ -417,15 +418,14 @@ class Batcher:
         eng = self.engine
         if eng.t and length == 0 and drafts_BT is None:
             drafts_BT = np.zeros((len(rows_B), 0), np.int32)
-        # L = T is the program a fixed-length step runs too (one compilation for both)
-        width = None if drafts_BT is not None or length is None or length == eng.t else length
-        eng.programs_called.add(self._program_key(len(rows_B), span, length, bool(np.any(np.asarray(temperature) > 0)),
-                                                  None if drafts_BT is None else drafts_BT.shape[1]))
+        program = self._program_key(len(rows_B), span, length, bool(np.any(np.asarray(temperature) > 0)),
+                                    None if drafts_BT is None else drafts_BT.shape[1])
+        eng.programs_called.add(program)
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
         n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,
                                            rows_B=rows_B, drafts_BT=drafts_BT, temperature=temperature,
-                                           top_p=top_p, span=span, width=width)
+                                           top_p=top_p, span=span, width=program.width)
         return n, emitted
 
     def _maybe_finish(self, r: Request) -> bool:
@@ -443,6 +443,17 @@ class Batcher:
         else:
             self.slots[r.slot] = None
         r.slot = None
+
+
+class StepProgram(NamedTuple):
+    """What tells one compiled step program from another (`Engine.programs_called`)."""
+    slots: int                 # the cache geometry
+    max_len: int
+    rows: int
+    span: int | None
+    width: int | None          # drafts of the draft's block verified (None: all T)
+    given: int | None          # width of drafts passed in (0: a one-token step)
+    sampled: bool
 
 
 def sampling_rows(reqs: Sequence[Request], rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -76,7 +76,7 @@ class Engine:
         self.acceptance = AcceptanceEstimate(self.t)
         self.step_times = StepTimes()        # what its steps took, host loop included
         # the step programs called or compiled so far, by shape (`Batcher._program_key`)
-        self.programs_called: set[tuple] = set()
+        self.programs_called: set = set()
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)

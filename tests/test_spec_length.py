@@ -150,7 +150,7 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     assert seen and {k[:2] for k in seen} == {(1, 64)} and {k[2] for k in seen} <= {0, 1, 3}
     # a benchmark's untimed pass then runs every length at each step shape met (padding rows)
     called = again.engine.programs_called
-    met = {(k[2], k[3], k[6]) for k in called}
+    met = {(k.rows, k.span, k.sampled) for k in called}
     missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths
                if again._program_key(r, sp, n, s) not in called}
     assert missing and run_every_length(again.engine) == len(missing)

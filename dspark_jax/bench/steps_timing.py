@@ -83,8 +83,8 @@ def run_every_length(eng) -> int:
     from dspark_jax.batcher import Batcher
 
     shapes: dict[tuple, set] = {}
-    for slots, max_len, rows, span, _, _, sampled in list(eng.programs_called):
-        shapes.setdefault((slots, max_len), set()).add((rows, span, sampled))
+    for p in list(eng.programs_called):
+        shapes.setdefault((p.slots, p.max_len), set()).add((p.rows, p.span, p.sampled))
     before = len(eng.programs_called)
     for (slots, max_len), met in shapes.items():
         b = Batcher(eng, slots, max_len)
