@@ -187,7 +187,7 @@ def main(argv):
         # the next batch size meets other cache geometries: drop this one's programs, which hold
         # hundreds of memory mappings each against the process's limit (vm.max_map_count)
         jax.clear_caches()
-        eng.programs_called.clear()       # generate()'s speculative engine: what the chooser reads
+        eng.programs.clear()       # generate()'s speculative engine: what the chooser reads as compiled
     if results and not _STEPS_ONLY.value:
         print(f"\ntokens/s, demo settings T = {_T.value}, {_NEW.value} new tokens, {_N.value} GSM8K prompts; "
               f"CPU: {describe_cpu()}")

@@ -420,12 +420,11 @@ class Batcher:
             drafts_BT = np.zeros((len(rows_B), 0), np.int32)
         program = self._program_key(len(rows_B), span, length, bool(np.any(np.asarray(temperature) > 0)),
                                     None if drafts_BT is None else drafts_BT.shape[1])
-        eng.programs_called.add(program)
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
         n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,
                                            rows_B=rows_B, drafts_BT=drafts_BT, temperature=temperature,
-                                           top_p=top_p, span=span, width=program.width)
+                                           top_p=top_p, span=span, width=program.width, tag=program)
         return n, emitted
 
     def _maybe_finish(self, r: Request) -> bool:

@@ -10,7 +10,8 @@
   context rows. Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, span, width) and batch shape; its rows name their cache slots, so a call
+static setting (sampling, span, width) and batch shape, one jit per shape (`dspark_jax.programs`:
+the least recently used are dropped near the process's memory-mapping limit); its rows name their cache slots, so a call
 computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
 warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
@@ -32,6 +33,7 @@ from dspark_jax import steps
 from dspark_jax.cache import PagedPool, TargetCaches, bits_storage, storage_dtype
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.errors import RequestError
+from dspark_jax.programs import CompiledPrograms
 from dspark_jax.sampling import sample_tokens
 from dspark_jax.sharding import logical_to_spec
 from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
@@ -75,8 +77,9 @@ class Engine:
         # pooled acceptance per draft position, what the speculation length is chosen from
         self.acceptance = AcceptanceEstimate(self.t)
         self.step_times = StepTimes()        # what its steps took, host loop included
-        # the step programs called or compiled so far, by shape (`Batcher._program_key`)
-        self.programs_called: set = set()
+        # the programs called or compiled so far, one jit per shape, least recently used dropped near
+        # the process's memory-mapping limit (`dspark_jax.programs`)
+        self.programs = CompiledPrograms()
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
         self.t_graph, self.t_state = nnx.split(target)
@@ -100,10 +103,19 @@ class Engine:
         if draft is not None and draft.cfg.reduced_vocab:
             self.draft_head = draft.head_rows(embed_and_head(target)[1])
         static = ("sampled", "span")
-        # the compiled programs (`.lower()` them for AOT checks); call them through prefill/propose/step
-        self.prefill_jit = jax.jit(self.prefill_fn, static_argnames=static, donate_argnames=("caches",))
-        self.propose_jit = jax.jit(self.propose_fn, static_argnames=static, donate_argnames=("caches",))
-        self.step_jit = jax.jit(self.step_fn, static_argnames=(*static, "width"), donate_argnames=("caches",))
+        self._jit_kw = {name: {"static_argnames": static + (("width",) if name == "step" else ()),
+                               "donate_argnames": ("caches",)} for name in ("prefill", "propose", "step")}
+        # the programs as one jit each, to `.lower()` for AOT checks and plans; calls go through
+        # prefill/propose/step, which keep one jit per shape in `programs`
+        self.prefill_jit = jax.jit(self.prefill_fn, **self._jit_kw["prefill"])
+        self.propose_jit = jax.jit(self.propose_fn, **self._jit_kw["propose"])
+        self.step_jit = jax.jit(self.step_fn, **self._jit_kw["step"])
+
+    @property
+    def programs_called(self) -> set:
+        """The step programs called or compiled and still held, by the tag their caller gave
+        (`Batcher._program_key`)."""
+        return self.programs.tags()
 
     def step_costs(self) -> StepCosts:
         """The measured step costs of this engine's programs on the host it runs on (loaded from the cost
@@ -135,20 +147,21 @@ class Engine:
 
     def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(first tokens [P], caches): see `prefill_fn`."""
-        return self._call(self.prefill_jit, self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
+        return self._call("prefill", self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
                           serving=self.serving, **sampling_args(len(lens_P), temperature, top_p), **kw)
 
     def propose(self, x0_B, lens_B, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
-        return self._call(self.propose_jit, self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key,
+        return self._call("propose", self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key,
                           serving=self.serving, draft_head=self.draft_head,
                           **sampling_args(len(x0_B), temperature, top_p), **kw)
 
     def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, temperature=None,
-             top_p=None, **kw):
-        """(accepted [B], emitted [B,T+1], caches): see `step_fn`."""
-        return self._call(self.step_jit, self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len,
-                          caches, key, serving=self.serving, draft_head=self.draft_head,
+             top_p=None, tag=None, **kw):
+        """(accepted [B], emitted [B,T+1], caches): see `step_fn`. `tag`: what the caller calls this
+        program (`programs_called`)."""
+        return self._call("step", self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len,
+                          caches, key, serving=self.serving, draft_head=self.draft_head, tag=tag,
                           **sampling_args(len(x0_B), temperature, top_p), **kw)
 
     @contextlib.contextmanager
@@ -165,13 +178,19 @@ class Engine:
 
     _compiling = False
 
-    def _call(self, program, *args, **kw):
+    def _call(self, name, *args, tag=None, **kw):
+        static = self._jit_kw[name]["static_argnames"]
+        key = (name, *map(_signature, args), *((k, v if k in static else _signature(v)) for k, v in kw.items()))
+        program, new = self.programs.get(key, getattr(self, f"{name}_fn"), self._jit_kw[name], tag)
         if not self._compiling:
-            return program(*args, **kw)
-        out = program.lower(*args, **kw).compile().out_info
-        caches = next(a for a in args if isinstance(a, TargetCaches))
-        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out[:-1])
-        return (*zeros, caches)
+            out = program(*args, **kw)
+        else:
+            info = program.lower(*args, **kw).compile().out_info
+            caches = next(a for a in args if isinstance(a, TargetCaches))
+            out = (*jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), info[:-1]), caches)
+        if new:
+            self.programs.trim()
+        return out
 
     @staticmethod
     def _check_pair(target, draft) -> None:
@@ -343,6 +362,21 @@ class Engine:
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
         return n, acc.emitted_BT1, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
+
+
+def _signature(x):
+    """What tells one program's argument from another's, cheaply: shapes of arrays, the pools'
+    and states' shapes in caches, lengths of weight lists (one engine's weights keep their
+    structure), None, else the type. A coarser key only groups programs under one jit."""
+    if x is None:
+        return None
+    if hasattr(x, "shape"):
+        return x.shape
+    if isinstance(x, tuple) and hasattr(x, "_fields"):        # TargetCaches, PagedPool, KDAStates
+        return tuple(map(_signature, x))
+    if isinstance(x, (list, tuple, dict)):
+        return len(x)
+    return type(x)
 
 
 def cast_floating(state, dtype):

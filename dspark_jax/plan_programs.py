@@ -55,8 +55,8 @@ class PlanEngine(Engine):
     def new_caches(self, batch: int, max_len: int) -> TargetCaches:
         return self.abstract_caches
 
-    def _call(self, program, *args, **kw):
-        raise ProgramCall(program, args, kw)
+    def _call(self, name, *args, tag=None, **kw):
+        raise ProgramCall(getattr(self, f"{name}_jit"), args, kw)
 
 
 def with_shardings(tree, shardings):

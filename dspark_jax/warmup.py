@@ -32,14 +32,13 @@ import jax
 import numpy as np
 
 from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
+from dspark_jax.programs import memory_mappings
 
 log = logging.getLogger("dspark_jax")
 
 ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
-# XLA:CPU keeps each compiled program's kernels in memory mappings of their own (the demo pair's
-# step program: ~530-680), and Linux caps a process's mappings (vm.max_map_count, 65,530 by
-# default); past the cap the next compile fails and the process dies. The warm-up stops at this
-# share of the cap, leaving room for the programs requests compile on first use.
+# the warm-up stops at this share of the process's memory-mapping limit (`dspark_jax.programs`),
+# leaving room for the programs requests compile on first use before old ones are dropped
 MAPPINGS_SHARE = 0.5
 
 
@@ -151,17 +150,6 @@ def call_program(batcher: Batcher, shape: ProgramShape) -> None:
     if batcher.proposer is not None and batcher.engine.t:
         drafts = np.zeros((shape.rows, batcher.engine.t if shape.width is None else shape.width), np.int32)
     batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts, length=shape.width)
-
-
-def memory_mappings() -> tuple[int, int] | None:
-    """(memory mappings this process holds, the kernel's per-process limit), or None where the
-    system does not say (not Linux)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            held = sum(1 for _ in f)
-        return held, int(Path("/proc/sys/vm/max_map_count").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], None] | None = None) -> int:

@@ -154,6 +154,7 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths
                if again._program_key(r, sp, n, s) not in called}
     assert missing and run_every_length(again.engine) == len(missing)
+    called = again.engine.programs_called
     assert all(again._program_key(r, sp, n, s) in called for r, sp, s in met for n in again.lengths)
     assert run_every_length(again.engine) == 0
     # another dtype or T is another table
