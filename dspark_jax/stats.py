@@ -4,6 +4,7 @@ per-position acceptance, and the paired comparison of two drafts' acceptance on 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -93,3 +94,16 @@ def paired_difference(base: dict, other: dict, *, samples: int = 2000, seed: int
     boot = acc[1][idx].sum(1) / steps[1][idx].sum(1) - acc[0][idx].sum(1) / steps[0][idx].sum(1)
     lo, hi = np.percentile(boot, [2.5, 97.5])
     return float(diff), float(lo), float(hi)
+
+
+def paired_mean_difference(base: Sequence[float], other: Sequence[float], *, samples: int = 2000,
+                           seed: int = 0) -> tuple[float, float, float]:
+    """The mean over prompts of `other[i] - base[i]` (one value per prompt each, e.g. tok/fwd, the
+    same prompts in the same order), and a paired bootstrap 95 % interval of it: the prompts
+    resampled with replacement, the same draw for both."""
+    diff = np.asarray(other, np.float64) - np.asarray(base, np.float64) if len(base) == len(other) else None
+    if diff is None or diff.size == 0:
+        raise ValueError(f"paired_mean_difference: {len(base)} and {len(other)} values; the same prompts needed")
+    idx = np.random.default_rng(seed).integers(0, diff.size, size=(samples, diff.size))
+    lo, hi = np.percentile(diff[idx].mean(axis=1), [2.5, 97.5])
+    return float(diff.mean()), float(lo), float(hi)

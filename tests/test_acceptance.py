@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_jax.stats import SpecStats, paired_difference
+from dspark_jax.stats import SpecStats, paired_difference, paired_mean_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,6 +85,23 @@ def test_paired_difference_of_two_drafts_on_the_same_prompts():
     assert lo < d < hi and lo < 0 < hi
     with pytest.raises(ValueError, match="same prompts"):
         paired_difference(base, _row([10, 20], [5, 10]))
+
+
+def test_paired_mean_difference_of_per_prompt_values():
+    base = [1.2, 1.5, 2.0, 1.1]
+    assert paired_mean_difference(base, base) == (0.0, 0.0, 0.0)
+    # the same shift on every prompt: that shift, whichever prompts are drawn
+    d, lo, hi = paired_mean_difference(base, [x + 0.25 for x in base])
+    assert d == pytest.approx(0.25) and lo == pytest.approx(0.25) and hi == pytest.approx(0.25)
+    # per-prompt differences around +0.1 with spread 0.3 on 400 prompts: the interval holds 0.1 and
+    # not 0 (its half-width about 1.96 x 0.3 / 20 = 0.03); the prompts' own spread cancels in the pairing
+    rng = np.random.default_rng(1)
+    a = rng.uniform(1.0, 3.0, 400)
+    b = a + 0.1 + 0.3 * rng.standard_normal(400)
+    d, lo, hi = paired_mean_difference(a, b)
+    assert d == pytest.approx(np.mean(b - a)) and lo < 0.1 < hi and lo > 0 and 0.04 < hi - lo < 0.08
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_mean_difference(base, base[:3])
 
 
 def test_compare_reads_separate_result_files_without_a_model(tmp_path):

@@ -83,7 +83,6 @@ UNTESTED_BY_NAME = {
     "train/loss.py": "the distillation loss with the trainer: tests/test_train.py",
     "train/monitor.py": "the held-out eval and learning curve: tests/test_train_monitor.py",
     "train/regen.py": "answer caches: tests/test_train.py, tests/test_regen_archive.py",
-    "train/teacher.py": "offline teacher shards with the trainer: tests/test_train.py",
     "train/torchspec.py": "TorchSpec checkpoints into a train state: tests/test_train.py",
     "train/trainer.py": "training, resume and export: tests/test_train.py",
     "train/vocab.py": "the reduced vocabulary's choice: tests/test_draft_vocab.py",

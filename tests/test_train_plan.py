@@ -1,6 +1,7 @@
 """The distillation plan (dspark_jax/train/train_plan.py): the trainer's own step compiles for
 abstract tiny models on a (data 2 x tensor 4) mesh, online and offline, and reports memory, FLOPs
-and the shard bytes per token; at Kimi-K3 widths a shard row is (5 + 1) x 7,168 bf16 values."""
+and the shard bytes per token; at Kimi-K3 widths a shard row is (5 + 1) x 7,168 values, in bf16 or
+in float8 with one float32 scale per row."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ def test_tiny_plan_compiles_online_and_offline():
         assert p.program.argument_bytes > 0 and p.program.temp_bytes > 0 and p.flops > 0
         assert p.peak_bytes > p.program.argument_bytes
     assert off.flops < on.flops                          # the teacher's forward is not in the offline step
-    assert on.shard_bytes_per_token == (3 + 1) * 32 * 4 + 5
+    # 3 captured layers + the final state, 32 wide; float8: 1 byte per value and a 4-byte scale per row
+    assert on.shard_bytes_per_token == {"float32": 4 * 32 * 4 + 5, "bfloat16": 4 * 32 * 2 + 5,
+                                        "float8_e4m3fn": 4 * 32 + 4 * 4 + 5}
     lines = train_plan.format_train_plan(on)
     assert lines[-1].startswith("per-device peak: ") and "MI355X" in "\n".join(lines)
+    assert "517 bytes in float32, 261 bytes in bfloat16, 149 bytes in float8_e4m3fn" in "\n".join(lines)
 
 
 def test_k3_shard_row_bytes():
@@ -38,3 +42,6 @@ def test_k3_shard_row_bytes():
     dcfg = load_config(resolve_config_path("kimi-k3-dspark"))
     assert isinstance(dcfg, DraftConfig) and len(dcfg.target_layer_ids) == 5 and cfg.hidden_size == 7168
     assert train_plan.shard_bytes_per_token(cfg, dcfg) == 6 * 7168 * 2 + 5      # 86,021 bytes
+    fp8 = train_plan.shard_bytes_per_token(cfg, dcfg, "float8_e4m3fn")
+    assert fp8 == 6 * 7168 + 6 * 4 + 5 == 43_037 and fp8 <= 45_000
+    assert train_plan.shard_storage(cfg, dcfg, "bfloat16") == {"bfloat16": 86_021, "float8_e4m3fn": 43_037}

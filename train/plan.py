@@ -5,7 +5,8 @@ Abstract build + AOT compile of the trainer's own step, no weights (dspark_jax/t
     python -m train.plan --config kimi-k3 --tp 8 --seq_len 4096 --num_anchors 512 --teacher offline
 
 Prints XLA's per-device buffer assignment, the FLOPs per step per device, a step-time floor at
-MI355X's and H200's stated peak dense bf16 rates and the offline shard bytes per token; the last
+MI355X's and H200's stated peak dense bf16 rates and the offline shard bytes per token (bf16 and
+float8 shards, `train.teacher --aux_dtype`); the last
 line is `per-device peak: X GiB of C GiB`, and the exit status is 0 if it fits `--hbm_gib *
 --usable_fraction`, 1 if not. Runs on fake CPU devices (set up here, before JAX starts).
 """

@@ -7,18 +7,27 @@ the draft's `target_layer_ids` [S, n_aux*H] and the target's post-final-norm hid
 Offline shard directory (written once, streamed, resumable, and usable as a LIVE stream: several
 writer processes append shards while one trainer consumes them, through the file system only):
 
-    meta.json                          {"format": "dspark_jax.teacher", "version": 1,
+    meta.json                          {"format": "dspark_jax.teacher", "version": 1 or 2,
                                         "num_writers": W, "shard_size": n, "aux_layer_ids": [...],
                                         "hidden_size": H, "aux_width": n_aux*H, "dtype": "float32",
-                                        "target": str, "max_len": S}
+                                        "target": str, "max_len": S[, "aux_dtype": "float8_e4m3fn"]}
     shard-w{k:03d}-{j:06d}.safetensors writer k's j-th shard: up to n sequences, ragged-packed
         input_ids     I32 [N]           tokens of all its sequences, back to back
         loss_mask     U8  [N]
         offsets       I64 [n+1]         sequence i is rows offsets[i]:offsets[i+1]
-        aux_hidden    <dtype> [N, n_aux*H]
-        final_hidden  <dtype> [N, H]
+        aux_hidden    <aux_dtype> [N, n_aux*H]
+        final_hidden  <aux_dtype> [N, H]
+        aux_scale     F32 [N, n_aux]    float8 storage only: one scale per token and captured layer
+        final_scale   F32 [N, 1]        float8 storage only: one scale per token
         __metadata__  {"format": "dspark_jax.teacher_shard", "sample_ids": JSON list of ids}
     writer-{k:03d}.done                {"num_shards": m, "num_samples": c}: writer k finished
+
+`dtype` is what the trainer receives (the teacher's compute dtype); `aux_dtype` is how the hidden
+states are stored, `dtype` itself when absent (version 1, the layout older readers know). Stored as
+`float8_e4m3fn` (version 2: older readers refuse it instead of misreading it), each row of H values
+(one token, one captured layer or the final state) is kept as float8 with one float32 scale
+(`fp8_rows`: within 2^-4 of each value) and the reader returns it dequantized to `dtype`: half a
+bf16 shard (K3 widths: 43,037 instead of 86,021 bytes per token, `bytes_per_token`).
 
 Writers: sample i of the (deterministically ordered) data goes to writer i % W; each shard is
 written to a hidden temp name, fsync'ed and renamed into place (readers never see partial files);
@@ -27,6 +36,9 @@ the canonical order j = 0, 1, ...; k = 0..W-1 within each j, waiting for a shard
 yet unless its writer's `.done` says it never will be, so the sample order (and a training run
 consuming it) does not depend on which writer was faster. A reader position is
 (epoch, ordinal = j*W + k, offset within the shard).
+
+One module although it is over 450 lines: the format's writer, reader and checks are one contract
+(a field the writer adds is one the reader checks), kept side by side.
 """
 
 from __future__ import annotations
@@ -44,13 +56,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.checkpoint.safetensors_io import SafetensorsFile, save_arrays
+from dspark_jax.checkpoint.safetensors_io import DTYPE_NAMES, CheckpointError, SafetensorsFile, save_arrays
+from dspark_jax.train.fp8_rows import FP8, dequantize_rows, quantize_rows
 from dspark_jax.train.regen import Sample
 
 FORMAT = "dspark_jax.teacher"
 SHARD_FORMAT = "dspark_jax.teacher_shard"
-VERSION = 1
+VERSION = 1              # hidden states stored in the dtype the trainer receives
+VERSION_SCALED = 2       # hidden states stored as float8 with per-row scales
 META_FILE = "meta.json"
+# storage dtypes the writer accepts besides the trainer's own dtype
+AUX_DTYPES = ("float32", "bfloat16", FP8)
 
 
 class TeacherOutputs(NamedTuple):
@@ -99,22 +115,64 @@ class ShardMeta:
     aux_layer_ids: tuple[int, ...]
     hidden_size: int
     aux_width: int
-    dtype: str
+    dtype: str                   # what the reader returns (the teacher's compute dtype)
     target: str
     max_len: int
+    aux_dtype: str | None = None     # how the hidden states are stored; None: `dtype`
+
+    def __post_init__(self):
+        if self.aux_dtype is None:
+            object.__setattr__(self, "aux_dtype", self.dtype)
+        if self.aux_dtype not in AUX_DTYPES + (self.dtype,):
+            raise ValueError(f"aux_dtype {self.aux_dtype!r}: expected one of {AUX_DTYPES} or {self.dtype!r}")
+        if self.scaled and self.aux_width != len(self.aux_layer_ids) * self.hidden_size:
+            raise ValueError(f"aux_width {self.aux_width} != {len(self.aux_layer_ids)} layers x hidden_size "
+                             f"{self.hidden_size}: float8 storage scales each layer's row")
+
+    @property
+    def scaled(self) -> bool:
+        """Stored as float8 with per-row scales."""
+        return self.aux_dtype == FP8
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "num_writers": self.num_writers,
-                "shard_size": self.shard_size, "aux_layer_ids": list(self.aux_layer_ids),
-                "hidden_size": self.hidden_size, "aux_width": self.aux_width, "dtype": self.dtype,
-                "target": self.target, "max_len": self.max_len}
+        d = {"format": FORMAT, "version": VERSION_SCALED if self.scaled else VERSION,
+             "num_writers": self.num_writers, "shard_size": self.shard_size, "aux_layer_ids": list(self.aux_layer_ids),
+             "hidden_size": self.hidden_size, "aux_width": self.aux_width, "dtype": self.dtype,
+             "target": self.target, "max_len": self.max_len}
+        if self.aux_dtype != self.dtype:
+            d["aux_dtype"] = self.aux_dtype
+        return d
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> "ShardMeta":
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise ValueError(f"{where}: format {d.get('format')!r} v{d.get('version')}, expected {FORMAT!r} v{VERSION}")
-        return cls(int(d["num_writers"]), int(d["shard_size"]), tuple(int(i) for i in d["aux_layer_ids"]),
-                   int(d["hidden_size"]), int(d["aux_width"]), str(d["dtype"]), str(d["target"]), int(d["max_len"]))
+        if d.get("format") != FORMAT or d.get("version") not in (VERSION, VERSION_SCALED):
+            raise ValueError(f"{where}: format {d.get('format')!r} v{d.get('version')}, expected {FORMAT!r} "
+                             f"v{VERSION} or v{VERSION_SCALED}")
+        try:
+            meta = cls(int(d["num_writers"]), int(d["shard_size"]), tuple(int(i) for i in d["aux_layer_ids"]),
+                       int(d["hidden_size"]), int(d["aux_width"]), str(d["dtype"]), str(d["target"]),
+                       int(d["max_len"]), d.get("aux_dtype"))
+        except KeyError as e:
+            raise ValueError(f"{where}: no field {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if (d["version"] == VERSION_SCALED) != meta.scaled:
+            raise ValueError(f"{where}: version {d['version']} with aux_dtype {meta.aux_dtype!r}")
+        return meta
+
+    def differences(self, other: "ShardMeta") -> str:
+        """'field: a vs b' for every field that differs (for error messages)."""
+        return ", ".join(f"{f}: {getattr(self, f)!r} vs {getattr(other, f)!r}" for f in self.__dataclass_fields__
+                         if getattr(self, f) != getattr(other, f))
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, aux_dtype: str) -> int:
+    """Shard bytes per token, headers aside: the num_aux captured layers and the final hidden
+    state (H values each) in `aux_dtype`, their float32 scales when float8, the int32 token id
+    and the uint8 loss mask."""
+    rows = num_aux + 1
+    scales = rows * 4 if aux_dtype == FP8 else 0
+    return rows * hidden_size * np.dtype(jnp.dtype(aux_dtype)).itemsize + scales + 4 + 1
 
 
 def shard_name(writer: int, index: int) -> str:
@@ -150,7 +208,8 @@ def open_or_create_meta(directory: str | os.PathLike, meta: ShardMeta) -> None:
             tmp.unlink()
     have = read_meta(directory)
     if have != meta:
-        raise ValueError(f"{path}: written with other settings ({have} vs {meta})")
+        raise ValueError(f"{path}: written with other settings (the directory's vs this writer's: "
+                         f"{have.differences(meta)})")
 
 
 def read_meta(directory: str | os.PathLike) -> ShardMeta:
@@ -199,14 +258,22 @@ class ShardWriter:
             return
         samples = [p[0] for p in self._pending]
         lens = [len(s.input_ids) for s in samples]
-        dt = np.dtype(jnp.dtype(self.meta.dtype))
         arrays = {
             "input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int32),
             "loss_mask": np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
             "offsets": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-            "aux_hidden": np.concatenate([p[1] for p in self._pending]).astype(dt),
-            "final_hidden": np.concatenate([p[2] for p in self._pending]).astype(dt),
         }
+        aux_NA = np.concatenate([p[1] for p in self._pending])
+        final_NH = np.concatenate([p[2] for p in self._pending])
+        if self.meta.scaled:
+            n, g, h = len(aux_NA), len(self.meta.aux_layer_ids), self.meta.hidden_size
+            aux_q, aux_s = quantize_rows(aux_NA.reshape(n, g, h))
+            final_q, final_s = quantize_rows(final_NH.reshape(n, 1, h))
+            arrays.update(aux_hidden=aux_q.reshape(n, g * h), final_hidden=final_q.reshape(n, h),
+                          aux_scale=aux_s, final_scale=final_s)
+        else:
+            dt = np.dtype(jnp.dtype(self.meta.aux_dtype))
+            arrays.update(aux_hidden=aux_NA.astype(dt), final_hidden=final_NH.astype(dt))
         final = self.dir / shard_name(self.writer, self.num_shards)
         tmp = self.dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         save_arrays(tmp, arrays, {"format": SHARD_FORMAT, "sample_ids": json.dumps([s.id for s in samples])})
@@ -221,13 +288,55 @@ class ShardWriter:
                            json.dumps({"num_shards": self.num_shards, "num_samples": self.num_samples}) + "\n")
 
 
-def read_shard(path: Path) -> tuple[list[str], list[Sample], np.ndarray, np.ndarray, np.ndarray]:
-    """(sample ids, samples, offsets, aux [N, A], final [N, H]) of one shard."""
+def _check_shard(sf: SafetensorsFile, meta: ShardMeta) -> None:
+    """Every field's dtype and shape against meta.json and the offsets, before any is used: a
+    shard of another run or a damaged one fails naming the file and the field."""
+    stored = DTYPE_NAMES[np.dtype(jnp.dtype(meta.aux_dtype))]
+    n = sf.tensors["input_ids"].shape[0] if "input_ids" in sf else None
+    want = {"input_ids": ("I32", (n,)), "loss_mask": ("U8", (n,)), "offsets": ("I64", None),
+            "aux_hidden": (stored, (n, meta.aux_width)), "final_hidden": (stored, (n, meta.hidden_size))}
+    if meta.scaled:
+        want.update(aux_scale=("F32", (n, len(meta.aux_layer_ids))), final_scale=("F32", (n, 1)))
+    for field, (dt, shape) in want.items():
+        info = sf.tensors.get(field)
+        if info is None:
+            raise CheckpointError(f"{sf.path}: no field {field!r} (meta.json: aux_dtype {meta.aux_dtype!r})")
+        if info.dtype != dt:
+            raise CheckpointError(f"{sf.path}: field {field!r} is {info.dtype}, meta.json's aux_dtype "
+                                  f"{meta.aux_dtype!r} needs {dt} (a shard of another run?)")
+        if shape is not None and info.shape != shape:
+            raise CheckpointError(f"{sf.path}: field {field!r} has shape {list(info.shape)}, expected {list(shape)}")
+    extra = {"aux_scale", "final_scale"} & set(sf.keys()) - set(want)
+    if extra:
+        raise CheckpointError(f"{sf.path}: field {sorted(extra)[0]!r} in a shard whose meta.json stores "
+                              f"{meta.aux_dtype!r} without scales (a shard of another run?)")
+
+
+def read_shard(path: Path, meta: ShardMeta | None = None
+               ) -> tuple[list[str], list[Sample], np.ndarray, np.ndarray, np.ndarray]:
+    """(sample ids, samples, offsets, aux [N, A], final [N, H]) of one shard, the hidden states in
+    `meta.dtype` whatever their storage; `meta`: the directory's meta.json by default."""
+    path = Path(path)
+    meta = meta or read_meta(path.parent)
     sf = SafetensorsFile(path)
+    _check_shard(sf, meta)
     ids = json.loads((sf.metadata or {}).get("sample_ids", "[]"))
     tok, mask, off = sf.read("input_ids"), sf.read("loss_mask").astype(bool), sf.read("offsets")
+    n = len(tok)
+    if len(off) != len(ids) + 1 or off[0] != 0 or off[-1] != n or np.any(np.diff(off) < 0):
+        raise CheckpointError(f"{path}: field 'offsets' ({len(off)} entries, {off[0] if len(off) else None}.."
+                              f"{off[-1] if len(off) else None}) does not split {n} tokens into the "
+                              f"{len(ids)} sequences of 'sample_ids'")
     samples = [Sample(ids[i], tok[off[i]:off[i + 1]], mask[off[i]:off[i + 1]]) for i in range(len(off) - 1)]
-    return ids, samples, off, sf.read("aux_hidden"), sf.read("final_hidden")
+    aux, final = sf.read("aux_hidden"), sf.read("final_hidden")
+    if meta.scaled:
+        g, h = len(meta.aux_layer_ids), meta.hidden_size
+        aux = dequantize_rows(aux.reshape(n, g, h), sf.read("aux_scale"), meta.dtype).reshape(n, g * h)
+        final = dequantize_rows(final.reshape(n, 1, h), sf.read("final_scale"), meta.dtype).reshape(n, h)
+    elif meta.aux_dtype != meta.dtype:
+        dt = np.dtype(jnp.dtype(meta.dtype))
+        aux, final = aux.astype(dt), final.astype(dt)
+    return ids, samples, off, aux, final
 
 
 @dataclass
@@ -316,7 +425,7 @@ class ShardStream:
                 self.position = StreamPosition(pos.epoch, pos.ordinal + 1, 0)
                 continue
             if self._cache is None or self._cache[0] != pos.ordinal:
-                self._cache = (pos.ordinal, read_shard(path))
+                self._cache = (pos.ordinal, read_shard(path, self.meta))
             _, samples, off, aux, final = self._cache[1]
             if pos.offset >= len(samples):
                 self.position = StreamPosition(pos.epoch, pos.ordinal + 1, 0)

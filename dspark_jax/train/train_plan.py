@@ -11,7 +11,8 @@ by the rules table:
 
 Reported per device: XLA's buffer assignment (`compiled.memory_analysis()`) and FLOPs
 (`compiled.cost_analysis()`), a step-time floor at a device's stated peak dense bf16 rate, and
-the offline shard bytes per token (aux + final hidden states in the shard dtype, token ids, mask).
+the offline shard bytes per token (aux + final hidden states in the teacher's dtype, in bf16 and in
+float8 with per-row scales, token ids, mask).
 XLA's cost analysis counts a loop body once whatever its trip count (a 10-step `fori_loop` of a
 matmul reports one matmul's FLOPs): the routed MoE's loop over a device's experts, the KDA chunk
 scan and the accumulation scan are under-counted, so the FLOPs and the step time are lower bounds.
@@ -33,6 +34,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
 from dspark_jax.plan import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
+from dspark_jax.train import teacher as teacher_lib
 from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
 
@@ -62,7 +64,7 @@ class TrainPlan:
     draft_params: int
     program: ProgramReport       # the step's compile times and XLA's per-device buffer assignment
     flops: float                 # per device, XLA's cost analysis of the partitioned step
-    shard_bytes_per_token: int   # offline teacher shards
+    shard_bytes_per_token: dict[str, int]   # offline teacher shards, by storage dtype
     capacity_gib: float = 288.0
 
     @property
@@ -75,9 +77,16 @@ class TrainPlan:
 
 def shard_bytes_per_token(cfg: KimiConfig, draft_cfg: DraftConfig, dtype: str = "bfloat16") -> int:
     """An offline teacher shard's bytes per token: aux [n_aux * H] + final [H] hidden states in
-    `dtype`, the int32 token id and the uint8 loss mask (dspark_jax/train/teacher.py)."""
-    width = (len(draft_cfg.target_layer_ids) + 1) * cfg.hidden_size
-    return width * jnp.dtype(dtype).itemsize + 4 + 1
+    `dtype` (float8_e4m3fn: with a float32 scale per row), the int32 token id and the uint8 loss
+    mask (dspark_jax/train/teacher.py, the format's own count)."""
+    return teacher_lib.bytes_per_token(cfg.hidden_size, len(draft_cfg.target_layer_ids), dtype)
+
+
+def shard_storage(cfg: KimiConfig, draft_cfg: DraftConfig, target_dtype: str) -> dict[str, int]:
+    """Bytes per token of the shards `train.teacher` can write for this pair: in the teacher's
+    dtype, in bf16 and in float8 (`--aux_dtype`)."""
+    dtypes = dict.fromkeys((target_dtype, "bfloat16", teacher_lib.FP8))
+    return {d: shard_bytes_per_token(cfg, draft_cfg, d) for d in dtypes}
 
 
 def _sharded_module(ctor, mesh, rules):
@@ -124,7 +133,7 @@ def build_train_plan(cfg: KimiConfig, draft_cfg: DraftConfig, shape: TrainShape,
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return TrainPlan(shape, dict(mesh.shape), int(n_params), program, float(cost.get("flops", 0.0)),
-                     shard_bytes_per_token(cfg, draft_cfg, shape.target_dtype))
+                     shard_storage(cfg, draft_cfg, shape.target_dtype))
 
 
 def format_train_plan(plan: TrainPlan) -> list[str]:
@@ -143,6 +152,8 @@ def format_train_plan(plan: TrainPlan) -> list[str]:
     for device, peak in PEAK_BF16_FLOPS.items():
         lines.append(f"step-time floor at {device}'s stated peak dense bf16 ({peak / 1e15:.3g} PFLOP/s): "
                      f"{plan.step_seconds(device):.3f} s")
-    lines.append(f"offline shard storage: {plan.shard_bytes_per_token:,} bytes per token")
+    lines.append("offline shard storage per token: " + ", ".join(
+        f"{n:,} bytes in {d}" + (" (+ float32 row scales)" if d == teacher_lib.FP8 else "")
+        for d, n in plan.shard_bytes_per_token.items()))
     lines.append(f"per-device peak: {plan.peak_bytes / GIB:.1f} GiB of {plan.capacity_gib:.0f} GiB")
     return lines
