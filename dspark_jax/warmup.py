@@ -7,10 +7,13 @@ within `max_num_batched_tokens` (first chunks), and one full-width chunk per spa
 prompt's later chunks reach (`Batcher._next_chunks`),
 the decode step per batch bucket x span bucket x speculation length the batcher can choose
 (`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
-through the batcher's own calls (`Engine.compile_only`: the arguments a request's call passes,
-padding rows only, nothing run), so they land in jit's cache as a request would call them; a cap
-keeps the start-up bounded (the shapes past it are the largest, rarest ones), and the warm-up stops
-at half the process's memory-mapping limit (`MAPPINGS_SHARE`).
+through the batcher's own calls on padding rows (the arguments a request's call passes; nothing
+is written), so they land in the engine's programs as a request would call them, and runs each
+one once where it is cheap to (`RUN_TOKENS`): XLA:CPU's first run of a compiled program costs
+far more than the next (the demo pair's step: ~0.7 s against ~0.06 s, with no compile), which
+the first request would pay otherwise; larger prefills are only compiled
+(`Engine.compile_only`). A cap keeps the start-up bounded (the shapes past it are the largest,
+rarest ones), and the warm-up stops at half the process's memory-mapping limit (`MAPPINGS_SHARE`).
 
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
 its programs instead of compiling them again. `measure_step_costs` measures the step costs the
@@ -40,6 +43,9 @@ ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
 # the warm-up stops at this share of the process's memory-mapping limit (`dspark_jax.programs`),
 # leaving room for the programs requests compile on first use before old ones are dropped
 MAPPINGS_SHARE = 0.5
+# a program over at most this many token positions (rows x tokens each) is also run once at
+# warm-up; larger prefills would take seconds each on a CPU and are only compiled
+RUN_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,12 @@ class ProgramShape:
 
     def cost(self, max_len: int) -> int:
         return self.rows * ((self.length or max_len) + self.offset)
+
+    def positions(self, t: int) -> int:
+        """Token positions the program computes: rows x chunk (prefill), rows x verified tokens (step)."""
+        if self.kind == "prefill":
+            return self.rows * self.length
+        return self.rows * ((t if self.width is None else self.width) + 1)
 
     def __str__(self) -> str:
         what = f"{self.kind} {self.rows}x{self.length or 'all'}" + (f" at {self.offset}" if self.offset else "")
@@ -110,20 +122,23 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool 
     jax.monitoring.register_event_listener(listener)
     start = time.perf_counter()
     try:
-        with batcher.engine.compile_only():
-            for i, shape in enumerate(todo):
-                if progress is not None:
-                    progress(i, len(todo), shape)
+        for i, shape in enumerate(todo):
+            if progress is not None:
+                progress(i, len(todo), shape)
+            if shape.positions(batcher.engine.t) <= RUN_TOKENS:
                 call_program(batcher, shape)
-                done += 1
-                held = memory_mappings()
-                if held is not None and held[0] > MAPPINGS_SHARE * held[1] and done < len(todo):
-                    log.warning("warm-up stopped after %d of %d programs: the process holds %d memory mappings of "
-                                "the kernel's limit of %d (vm.max_map_count), and each compiled program keeps "
-                                "hundreds; raise the limit (e.g. sysctl -w vm.max_map_count=1048576) to warm up "
-                                "more", done, len(todo), held[0], held[1])
-                    todo = todo[:done]
-                    break
+            else:
+                with batcher.engine.compile_only():
+                    call_program(batcher, shape)
+            done += 1
+            held = memory_mappings()
+            if held is not None and held[0] > MAPPINGS_SHARE * held[1] and done < len(todo):
+                log.warning("warm-up stopped after %d of %d programs: the process holds %d memory mappings of "
+                            "the kernel's limit of %d (vm.max_map_count), and each compiled program keeps "
+                            "hundreds; raise the limit (e.g. sysctl -w vm.max_map_count=1048576) to warm up "
+                            "more", done, len(todo), held[0], held[1])
+                todo = todo[:done]
+                break
     finally:
         jax.monitoring.unregister_event_listener(listener)
     if progress is not None and todo:

@@ -49,11 +49,12 @@ def _dear_at_two_rows(rows: int, n: int) -> float:
 
 
 @pytest.mark.parametrize("speculative_length,budget", [("fixed", 32), ("adaptive", None)])
-def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget):
+def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget, monkeypatch):
     """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
     64, 96 reach two span buckets), short ones several to a call. With the sampling programs warmed
     too (the fixed case), requests at settings never seen before share the steps and compile
-    nothing either."""
+    nothing either. Programs over at most `RUN_TOKENS` positions also ran once (an executable
+    enters its jit's call cache when called), the larger ones were only compiled."""
     from dspark_jax.spec_length import StepCosts
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
@@ -63,10 +64,14 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
     sampled = speculative_length == "fixed"
     widths = {s.width for s in warmup.program_shapes(b) if s.kind == "step"}
     assert widths == ({None} if speculative_length == "fixed" else {0, 1, 3, None})
+    monkeypatch.setattr(warmup, "RUN_TOKENS", 16)
     with CompileCounter() as warm:
         info = warmup.warm_up(b, sampled=sampled)
-    assert info["programs"] == len(warmup.program_shapes(b, sampled)) and info["skipped"] == 0
+    shapes = warmup.program_shapes(b, sampled)
+    assert info["programs"] == len(shapes) and info["skipped"] == 0
     assert warm.count > 0
+    ran = sum(s.positions(T) <= 16 for s in shapes)
+    assert 0 < ran < len(shapes) and len(eng.programs) == len(shapes) and eng.programs.compiled() == ran
     # padding rows only: the warm-up wrote nothing
     assert not np.asarray(b.caches.pool.pages).any()
     ps = prompts(4, target.cfg.vocab_size, seed=31, lo=3, hi=40)
