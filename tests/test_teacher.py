@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_arrays
 from dspark_jax.train import teacher
@@ -63,10 +65,11 @@ def _read_all(directory) -> list[teacher.TeacherExample]:
 
 
 def _reference_fp8(x: np.ndarray, dtype) -> np.ndarray:
-    """max|x| / 448 per row of H, x / s to e4m3fn, back as q * s: numpy, independently of fp8_rows."""
+    """s = max|x| * fl(1/448) per row of H, x * fl(1/s) to e4m3fn, back as q * s, in float32:
+    numpy, independently of fp8_rows."""
     x32 = x.astype(np.float32).reshape(len(x), -1, H)
-    s = np.max(np.abs(x32), axis=-1, keepdims=True) / np.float32(448)
-    q = (x32 / s).astype(ml_dtypes.float8_e4m3fn)
+    s = np.max(np.abs(x32), axis=-1, keepdims=True) * np.float32(1 / 448)
+    q = (x32 * (np.float32(1) / s)).astype(ml_dtypes.float8_e4m3fn)
     return (q.astype(np.float32) * s).astype(np.dtype(dtype)).reshape(x.shape)
 
 
@@ -216,7 +219,7 @@ def test_interrupted_fp8_writer_resumes_to_the_same_bytes(pair, samples, tmp_pat
     for w in range(2):
         teacher.write_teacher_shards(target, samples, tmp_path / "whole", writer=w, meta=meta, batch_size=2)
 
-    add, calls = teacher.ShardWriter.add, []
+    add, calls = teacher.ShardWriter.add_stored, []
 
     def dying_add(self, *a):
         calls.append(1)
@@ -226,10 +229,10 @@ def test_interrupted_fp8_writer_resumes_to_the_same_bytes(pair, samples, tmp_pat
 
     victim = tmp_path / "resumed"
     teacher.write_teacher_shards(target, samples, victim, writer=0, meta=meta, batch_size=2)
-    monkeypatch.setattr(teacher.ShardWriter, "add", dying_add)
+    monkeypatch.setattr(teacher.ShardWriter, "add_stored", dying_add)
     with pytest.raises(KeyboardInterrupt):
         teacher.write_teacher_shards(target, samples, victim, writer=1, meta=meta, batch_size=2)
-    monkeypatch.setattr(teacher.ShardWriter, "add", add)
+    monkeypatch.setattr(teacher.ShardWriter, "add_stored", add)
     assert sorted(p.name for p in victim.glob("shard-w001-*")) == [teacher.shard_name(1, 0)]
     assert not (victim / teacher.done_name(1)).exists()
     out = teacher.write_teacher_shards(target, samples, victim, writer=1, meta=meta, batch_size=2)
@@ -247,6 +250,34 @@ def test_interrupted_fp8_writer_resumes_to_the_same_bytes(pair, samples, tmp_pat
     ref = teacher.teacher_outputs(target, ex.sample.input_ids[None], np.ones((1, n), bool), meta.aux_layer_ids)
     rel = np.max(np.abs(ex.aux_SA - np.asarray(ref.aux_BSA[0]))) / np.max(np.abs(np.asarray(ref.aux_BSA[0])))
     assert ex.aux_SA.dtype == np.float32 and 0 < rel <= 2.0 ** -4
+
+
+def test_device_and_host_quantization_write_the_same_shards(pair, samples, tmp_path):
+    """write_teacher_shards quantizes inside the jitted teacher step; the same teacher outputs
+    quantized on the host by ShardWriter.add give the same files."""
+    target, draft = pair
+    meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=tuple(draft.cfg.target_layer_ids),
+                             hidden_size=32, aux_width=64, dtype="float32", target="tiny", max_len=40,
+                             aux_dtype=teacher.FP8)
+    teacher.write_teacher_shards(target, samples, tmp_path / "device", writer=0, meta=meta, batch_size=2)
+    host = teacher.ShardWriter(tmp_path / "host", 0, meta)
+    fn = nnx.jit(teacher.teacher_outputs, static_argnums=3)
+    for start in range(0, len(samples), 2):
+        chunk = samples[start:start + 2]
+        ids, _, valid = teacher.pad_batch(chunk, meta.max_len, 2)
+        out = fn(target, jnp.asarray(ids), jnp.asarray(valid), meta.aux_layer_ids)
+        for i, s in enumerate(chunk):
+            host.add(s, np.asarray(out.aux_BSA[i]), np.asarray(out.final_hidden_BSH[i]))
+    host.finish()
+    names = sorted(p.name for p in (tmp_path / "device").iterdir())
+    assert len(names) == 5 and names == sorted(p.name for p in (tmp_path / "host").iterdir())
+    for name in names:
+        assert (tmp_path / "device" / name).read_bytes() == (tmp_path / "host" / name).read_bytes(), name
+    # stored rows of the wrong kind are refused before anything is written
+    rows = teacher.StoredRows(np.zeros((3, 64), np.float32), np.zeros((3, 32), np.float32))
+    with pytest.raises(ValueError, match=r"hidden states float32 without scales, the directory stores "
+                                         r"float8_e4m3fn with scales"):
+        host.add_stored(samples[0], rows)
 
 
 def test_train_teacher_aux_dtype_flag(pair, samples, tmp_path):

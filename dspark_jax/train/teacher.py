@@ -49,7 +49,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.checkpoint.safetensors_io import DTYPE_NAMES, CheckpointError, SafetensorsFile, save_arrays
-from dspark_jax.train.fp8_rows import FP8, dequantize_rows, quantize_rows
+from dspark_jax.train.fp8_rows import FP8, dequantize_rows, quantize_rows, quantize_rows_jax
 from dspark_jax.train.regen import Sample
 
 FORMAT = "dspark_jax.teacher"
@@ -79,6 +79,34 @@ def teacher_outputs(target, input_ids_BS: jax.Array, valid_BS: jax.Array,
     """The teacher's prefill (cacheless target forward over right-padded rows), no gradient."""
     out = target.forward(input_ids_BS, tuple(aux_layer_ids), valid_BS=valid_BS)
     return TeacherOutputs(jax.lax.stop_gradient(out.aux_hidden), jax.lax.stop_gradient(out.final_hidden))
+
+
+class StoredRows(NamedTuple):
+    """Hidden states as a shard stores them: in the directory's aux_dtype, with the float32
+    per-row scales when that is float8 (None otherwise)."""
+    aux: Any                  # [..., n_aux*H]
+    final: Any                # [..., H]
+    aux_scale: Any = None     # [..., n_aux]
+    final_scale: Any = None   # [..., 1]
+
+
+def stored_rows(aux_A, final_H, meta: "ShardMeta", quantize: Callable) -> StoredRows:
+    """aux [..., n_aux*H] and final [..., H] in storage form; `quantize`: `quantize_rows` on the
+    host, `quantize_rows_jax` on the device (the same bits)."""
+    if not meta.scaled:
+        dt = np.dtype(jnp.dtype(meta.aux_dtype))
+        return StoredRows(aux_A.astype(dt), final_H.astype(dt))
+    lead, g, h = aux_A.shape[:-1], len(meta.aux_layer_ids), meta.hidden_size
+    aux_q, aux_s = quantize(aux_A.reshape(*lead, g, h))
+    final_q, final_s = quantize(final_H.reshape(*lead, 1, h))
+    return StoredRows(aux_q.reshape(*lead, g * h), final_q.reshape(*lead, h), aux_s, final_s)
+
+
+def stored_outputs(target, input_ids_BS: jax.Array, valid_BS: jax.Array, meta: "ShardMeta") -> StoredRows:
+    """The teacher's prefill with its hidden states put in storage form on the device (float8:
+    half the bytes to copy to the host, and the host does no per-value work)."""
+    out = teacher_outputs(target, input_ids_BS, valid_BS, meta.aux_layer_ids)
+    return stored_rows(out.aux_BSA, out.final_hidden_BSH, meta, quantize_rows_jax)
 
 
 def frozen_tables(target) -> tuple[jax.Array, jax.Array]:
@@ -227,7 +255,7 @@ class ShardWriter:
         self.dir, self.writer, self.meta = Path(directory), writer, meta
         open_or_create_meta(self.dir, meta)
         self.num_shards = self._existing_shards()
-        self._pending: list[tuple[Sample, np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[Sample, StoredRows]] = []
         self.num_samples = self._existing_samples()
 
     def _existing_shards(self) -> int:
@@ -248,8 +276,19 @@ class ShardWriter:
         return self.num_shards * self.meta.shard_size
 
     def add(self, sample: Sample, aux_SA: np.ndarray, final_SH: np.ndarray) -> None:
+        """One sample with its hidden states in any float dtype (stored as meta.aux_dtype)."""
         n = len(sample.input_ids)
-        self._pending.append((sample, np.asarray(aux_SA)[:n], np.asarray(final_SH)[:n]))
+        self.add_stored(sample, stored_rows(np.asarray(aux_SA)[:n], np.asarray(final_SH)[:n], self.meta, quantize_rows))
+
+    def add_stored(self, sample: Sample, rows: StoredRows) -> None:
+        """One sample with its hidden states already in storage form (`stored_outputs`)."""
+        n = len(sample.input_ids)
+        want = np.dtype(jnp.dtype(self.meta.aux_dtype))
+        if rows.aux.dtype != want or rows.final.dtype != want or (rows.aux_scale is None) == self.meta.scaled:
+            raise ValueError(f"{self.dir}: sample {sample.id!r}: hidden states {rows.aux.dtype} "
+                             f"{'with' if rows.aux_scale is not None else 'without'} scales, the directory stores "
+                             f"{self.meta.aux_dtype}{' with scales' if self.meta.scaled else ''}")
+        self._pending.append((sample, StoredRows(*(None if a is None else np.asarray(a)[:n] for a in rows))))
         if len(self._pending) == self.meta.shard_size:
             self._flush()
 
@@ -263,17 +302,10 @@ class ShardWriter:
             "loss_mask": np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
             "offsets": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
         }
-        aux_NA = np.concatenate([p[1] for p in self._pending])
-        final_NH = np.concatenate([p[2] for p in self._pending])
-        if self.meta.scaled:
-            n, g, h = len(aux_NA), len(self.meta.aux_layer_ids), self.meta.hidden_size
-            aux_q, aux_s = quantize_rows(aux_NA.reshape(n, g, h))
-            final_q, final_s = quantize_rows(final_NH.reshape(n, 1, h))
-            arrays.update(aux_hidden=aux_q.reshape(n, g * h), final_hidden=final_q.reshape(n, h),
-                          aux_scale=aux_s, final_scale=final_s)
-        else:
-            dt = np.dtype(jnp.dtype(self.meta.aux_dtype))
-            arrays.update(aux_hidden=aux_NA.astype(dt), final_hidden=final_NH.astype(dt))
+        for name, parts in zip(("aux_hidden", "final_hidden", "aux_scale", "final_scale"),
+                               zip(*(p[1] for p in self._pending))):
+            if parts[0] is not None:
+                arrays[name] = np.concatenate(parts)
         final = self.dir / shard_name(self.writer, self.num_shards)
         tmp = self.dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         save_arrays(tmp, arrays, {"format": SHARD_FORMAT, "sample_ids": json.dumps([s.id for s in samples])})
@@ -456,15 +488,15 @@ def write_teacher_shards(target, samples: Sequence[Sample], directory: str | os.
     out = ShardWriter(directory, writer, meta)
     mine = list(samples)[writer::meta.num_writers]
     skip = out.samples_done
-    fn = nnx.jit(teacher_outputs, static_argnums=3)
+    fn = nnx.jit(stored_outputs, static_argnums=3)
     t0 = time.time()
     for start in range(skip, len(mine), batch_size):
         chunk = mine[start:start + batch_size]
         ids, _, valid = pad_batch(chunk, meta.max_len, batch_size)
-        aux, final = fn(target, _place_batch(ids, mesh), _place_batch(valid, mesh), tuple(meta.aux_layer_ids))
-        aux, final = np.asarray(aux), np.asarray(final)
+        rows = fn(target, _place_batch(ids, mesh), _place_batch(valid, mesh), meta)
+        rows = [None if a is None else np.asarray(a) for a in rows]      # only the stored bytes leave the device
         for i, s in enumerate(chunk):
-            out.add(s, aux[i], final[i])
+            out.add_stored(s, StoredRows(*(None if a is None else a[i] for a in rows)))
         if log:
             done = start + len(chunk)
             log(f"writer {writer}: {done}/{len(mine)} sequences, {out.num_shards} shards published, "
