@@ -147,8 +147,11 @@ class Engine:
 
     def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(first tokens [P], caches): see `prefill_fn`."""
+        # one program for greedy and sampled prompts: it samples one position per row (rows at
+        # temperature 0 take the argmax), so a greedy variant would save nothing and double the programs
         return self._call("prefill", self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
-                          serving=self.serving, **sampling_args(len(lens_P), temperature, top_p), **kw)
+                          serving=self.serving, **{**sampling_args(len(lens_P), temperature, top_p), "sampled": True},
+                          **kw)
 
     def propose(self, x0_B, lens_B, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""

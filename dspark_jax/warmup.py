@@ -1,19 +1,21 @@
 """Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
 
-`program_shapes` lists every (program, rows, length) shape a batcher can call, greedy and (with
-`sampled=True`) sampling, the two variants of each (sampling settings are traced per row, so one
-sampling program serves every temperature and top_p): prefill per batch bucket x chunk bucket
-within `max_num_batched_tokens` (first chunks), and one full-width chunk per span bucket a longer
-prompt's later chunks reach (`Batcher._next_chunks`),
-the decode step per batch bucket x span bucket x speculation length the batcher can choose
-(`Batcher.reachable_lengths`). `warm_up` compiles them, cheapest first,
-through the batcher's own calls on padding rows (the arguments a request's call passes; nothing
-is written), so they land in the engine's programs as a request would call them, and runs each
-one once where it is cheap to (`RUN_TOKENS`): XLA:CPU's first run of a compiled program costs
-far more than the next (the demo pair's step: ~0.7 s against ~0.06 s, with no compile), which
-the first request would pay otherwise; larger prefills are only compiled
-(`Engine.compile_only`). A cap keeps the start-up bounded (the shapes past it are the largest,
-rarest ones), and the warm-up stops at half the process's memory-mapping limit (`MAPPINGS_SHARE`).
+`program_shapes` lists every (program, rows, length) shape a batcher can call: prefill (one
+program for greedy and sampled prompts) per batch bucket x chunk bucket within
+`max_num_batched_tokens` (first chunks), and one full-width chunk per span bucket a longer
+prompt's later chunks reach (`Batcher._next_chunks`); the decode step per batch bucket x span
+bucket x speculation length the batcher can choose (`Batcher.reachable_lengths`), greedy and
+(with `sampled=True`) sampling (sampling settings are traced per row, so one sampling program
+serves every temperature and top_p).
+
+`warm_up` compiles them, cheapest first, through the batcher's own calls on padding rows (the
+arguments a request's call passes; nothing is written), so they land in the engine's programs
+as a request would call them, and runs each one once where that is cheap (`RUN_TOKENS`):
+XLA:CPU's first run of a compiled program costs far more than the next (the demo pair's step:
+~0.7 s against ~0.06 s, with no compile), which the first request would pay otherwise; larger
+prefills are only compiled (`Engine.compile_only`). A cap keeps the start-up bounded (the shapes
+past it are the largest, rarest ones), and the warm-up stops at half the process's
+memory-mapping limit (`MAPPINGS_SHARE`).
 
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
 its programs instead of compiling them again. `measure_step_costs` measures the step costs the
@@ -81,7 +83,7 @@ class ProgramShape:
 
 def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape]:
     """Every shape `batcher` can call for greedy requests (and for sampled ones with `sampled`),
-    cheapest first (greedy first among equals)."""
+    cheapest first (greedy steps first among equals)."""
     slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
     buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
     longest_prompt = max_len - t - 1
@@ -99,12 +101,12 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
                                [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     widths = [None if n == t else n for n in batcher.reachable_lengths()]
     out = []
+    for b in buckets:        # one prefill program serves greedy and sampled prompts (`Engine.prefill`)
+        out += [ProgramShape("prefill", b, c, True) for c in chunks if budget is None or b == 1 or b * c <= budget]
+        if b == 1:
+            out += [ProgramShape("prefill", 1, budget, True, offset=o) for o in later.values()]
     for s in (False, True) if sampled else (False,):
-        for b in buckets:
-            out += [ProgramShape("prefill", b, c, s) for c in chunks if budget is None or b == 1 or b * c <= budget]
-            if b == 1:
-                out += [ProgramShape("prefill", 1, budget, s, offset=o) for o in later.values()]
-            out += [ProgramShape("step", b, span, s, w) for span in spans for w in widths]
+        out += [ProgramShape("step", b, span, s, w) for b in buckets for span in spans for w in widths]
     return sorted(out, key=lambda p: (p.cost(max_len), p.sampled, p.kind, p.width or 0))
 
 

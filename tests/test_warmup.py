@@ -103,19 +103,21 @@ def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     assert {s.rows for s in shapes} == {1, 2, 4, 8}
     assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
     assert {s.length for s in shapes if s.kind == "step"} == {64, 128, 256, 512, None}
-    assert len(shapes) == 2 * 4 * (7 + 5)
+    assert len(shapes) == 4 * 7 + 2 * 4 * 5          # one prefill program for greedy and sampled prompts
     costs = [s.cost(1024) for s in shapes]
     assert costs == sorted(costs)
-    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, False)
+    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, True)
+    greedy = len(warmup.program_shapes(b))
+    assert greedy == 4 * 7 + 4 * 5
     info = warmup.warm_up(b, max_programs=3)
-    assert info == {**info, "programs": 3, "skipped": len(shapes) // 2 - 3}
+    assert info == {**info, "programs": 3, "skipped": greedy - 3}
     # a process near its memory-mapping limit stops warming up (each program holds mappings)
     held = warmup.memory_mappings()
     assert held is None or (held[0] > 0 and held[1] > 0)
     counts = iter([10, 60, 90, 95])
     monkeypatch.setattr(warmup, "memory_mappings", lambda: (next(counts), 100))
     info = warmup.warm_up(b, max_programs=4)
-    assert info == {**info, "programs": 2, "skipped": len(shapes) // 2 - 2}
+    assert info == {**info, "programs": 2, "skipped": greedy - 2}
     # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a
     # longer prompt at one offset per span bucket past the first chunk's (512 at offset 256, all
     # positions from 512)
