@@ -11,8 +11,11 @@ waits for /health, and for each concurrency c runs c clients, each streaming
 `--requests_per_client` GSM8K chat requests one after another (greedy, `--max_tokens` tokens).
 Prints per concurrency: total tokens/s (every client's tokens over the wall time), tokens/s per
 stream (median), time to first token (median, p90) and the time between streamed chunks (p50,
-p90, p99; with speculation a chunk carries the 1..T+1 tokens of one verify step). CPU numbers are
-only meaningful as ratios measured in one run.
+p90, p99; with speculation a chunk carries the 1..T+1 tokens of one verify step). With
+`--untimed_pass` (the default) each concurrency's requests are sent once untimed first, so the
+timed pass meets programs the server has already compiled and run (the first run of a compiled
+program costs far more than the next on XLA:CPU); `--nountimed_pass` times that first contact.
+CPU numbers are only meaningful as ratios measured in one run.
 
 `--generate_reference` (on by default when the benchmark starts the servers) then stops the
 server and runs the same requests through `generate()` in this process, the same draft setting
@@ -51,6 +54,10 @@ _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _START_TIMEOUT = flags.DEFINE_float("start_timeout", 1800.0, "seconds to wait for a started server's /health")
 _REFERENCE = flags.DEFINE_bool("generate_reference", True, "also time generate() on the same requests, in this "
                                "process, after each started server stops (not with --url)")
+_UNTIMED = flags.DEFINE_bool("untimed_pass", True, "send each concurrency's requests once untimed before timing "
+                             "them, as the generate() reference does: both are then timed with the programs "
+                             "the work meets compiled and run once (--nountimed_pass times a server's first "
+                             "contact with them)")
 _REF_MODEL = flags.DEFINE_string("reference_model", "smollm2-135m", "the target generate() loads for the reference")
 _REF_DRAFT = flags.DEFINE_string("reference_draft", "smollm2-135m-dspark", "the draft of the reference for the "
                                  "'default' draft setting")
@@ -195,6 +202,8 @@ def main(argv) -> None:
         try:
             asyncio.run(_round(url, 1, 1, _NEW.value, questions))       # first contact, untimed
             for c in concurrency:
+                if _UNTIMED.value:
+                    asyncio.run(_round(url, c, _PER.value, _NEW.value, questions))
                 r = asyncio.run(_round(url, c, _PER.value, _NEW.value, questions))
                 r["draft"] = draft
                 got.append(r)

@@ -181,10 +181,15 @@ class Engine:
 
     _compiling = False
 
-    def _call(self, name, *args, tag=None, **kw):
+    def program(self, name: str, args: tuple, kw: dict, tag=None):
+        """(the jit a call of program `name` with these arguments runs, whether it is new): one per
+        static setting and argument shapes, in `programs`."""
         static = self._jit_kw[name]["static_argnames"]
         key = (name, *map(_signature, args), *((k, v if k in static else _signature(v)) for k, v in kw.items()))
-        program, new = self.programs.get(key, getattr(self, f"{name}_fn"), self._jit_kw[name], tag)
+        return self.programs.get(key, getattr(self, f"{name}_fn"), self._jit_kw[name], tag)
+
+    def _call(self, name, *args, tag=None, **kw):
+        program, new = self.program(name, args, kw, tag)
         if not self._compiling:
             out = program(*args, **kw)
         else:

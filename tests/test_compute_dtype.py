@@ -88,16 +88,15 @@ def shipped_generation(demo_pair):
     runs = {}
     for t in (7, 0):
         engine = Engine(target, draft if t else None, EngineConfig(num_speculative_tokens=t))
-        names = {id(engine.prefill_jit): "prefill", id(engine.propose_jit): "propose", id(engine.step_jit): "step"}
         programs = {}
         call = engine._call
 
-        def spy(program, *args, **kw):
+        def spy(name, *args, tag=None, **kw):
             # one program per name, argument shapes and static settings (the weights are the same each call)
-            key = (names[id(program)], str(jax.tree.map(lambda x: getattr(x, "shape", x), (args[2:], kw))))
+            key = (name, str(jax.tree.map(lambda x: getattr(x, "shape", x), (args[2:], kw))))
             if key not in programs:
-                programs[key] = mixed_dots(program.lower(*args, **kw))
-            return call(program, *args, **kw)
+                programs[key] = mixed_dots(engine.program(name, args, kw)[0].lower(*args, **kw))
+            return call(name, *args, tag=tag, **kw)
 
         engine._call = spy
         try:
