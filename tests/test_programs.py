@@ -74,7 +74,7 @@ def test_dropping_a_program_releases_its_memory_mappings():
 
 
 def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_same_output():
-    """A batcher whose process is 'near the limit' after every third program: programs are dropped
+    """A batcher whose process is 'near the limit' past four programs: programs are dropped
     while requests run (their step tags leave `programs_called`), dropped ones come back when
     called again, and the output equals a run where nothing is dropped."""
     target = tiny_llama(0)
@@ -86,7 +86,7 @@ def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_sa
             eng.programs._mappings = FakeMappings(eng.programs, base=0, per_program=100 // limit_after,
                                                   limit=100)
         b = Batcher(eng, 4, 96, speculative_length="fixed")
-        reqs = [Request(p, max_new_tokens=12) for p in prompts(3, 96, seed=0, lo=5, hi=60)]
+        reqs = [Request(p, max_new_tokens=8) for p in prompts(3, 96, seed=0, lo=5, hi=60)]
         for r in reqs[:2]:
             b.add(r)
         b.step()
@@ -96,10 +96,10 @@ def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_sa
         return [r.tokens for r in reqs], eng
 
     kept, eng_kept = run(None)
-    dropped, eng = run(3)
+    dropped, eng = run(4)
     assert dropped == kept
     assert eng_kept.programs.dropped == 0 and eng.programs.dropped > 0
     assert len(eng.programs) < len(eng_kept.programs)
     assert eng.programs_called <= eng_kept.programs_called and eng.programs_called != eng_kept.programs_called
-    assert np.all(np.asarray([len(t) for t in dropped]) == 12)
+    assert np.all(np.asarray([len(t) for t in dropped]) == 8)
     jax.clear_caches()
