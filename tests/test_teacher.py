@@ -281,8 +281,9 @@ def test_device_and_host_quantization_write_the_same_shards(pair, samples, tmp_p
 
 
 def test_train_teacher_aux_dtype_flag(pair, samples, tmp_path):
-    """`train.teacher --aux_dtype float8_e4m3fn` writes float8 shards; a second writer with other
-    storage stops before loading the target, naming meta.json and the field."""
+    """`train.teacher` writes float8 shards by default; a second writer with other storage
+    (`--aux_dtype auto`: the teacher's float32) stops before loading the target, naming meta.json,
+    the field and the flag that would match."""
     inputs = write_tiny_run_inputs(tmp_path, pair, samples)
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     out = tmp_path / "shards"
@@ -290,13 +291,13 @@ def test_train_teacher_aux_dtype_flag(pair, samples, tmp_path):
            f"--draft_config={inputs['draft_config']}", f"--out={out}", "--num_writers=2", "--shard_size=2",
            "--batch_size=2", "--max_len=40"]
     kw = {"cwd": REPO, "env": env, "capture_output": True, "text": True, "timeout": 240}
-    first = subprocess.run(cmd + ["--writer=0", "--aux_dtype=float8_e4m3fn"], **kw)
+    first = subprocess.run(cmd + ["--writer=0"], **kw)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "hidden states stored as float8_e4m3fn: 113 bytes per token" in first.stdout  # 3 x 32 + 3 x 4 + 5
     assert teacher.read_meta(out).aux_dtype == teacher.FP8
     assert SafetensorsFile(out / teacher.shard_name(0, 0)).tensors["aux_hidden"].dtype == "F8_E4M3"
-    second = subprocess.run(cmd + ["--writer=1"], **kw)
+    second = subprocess.run(cmd + ["--writer=1", "--aux_dtype=auto"], **kw)
     assert second.returncode != 0
     assert f"{out / teacher.META_FILE}: written with other settings" in second.stderr
-    assert "aux_dtype: 'float8_e4m3fn' vs 'float32'" in second.stderr
+    assert "aux_dtype: 'float8_e4m3fn' vs 'float32'); its storage is --aux_dtype float8_e4m3fn" in second.stderr
     assert not list(out.glob("shard-w001-*"))

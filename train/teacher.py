@@ -2,14 +2,15 @@
 
     python -m train.teacher --target smollm2-135m --data runs/demo/regen.jsonl \
         --draft_config dspark_jax/configs/smollm2-135m-dspark.json --out runs/demo/teacher \
-        --num_writers 4 --writer 0 [--shard_size 64 --batch_size 4 --max_len 1024 --aux_dtype float8_e4m3fn]
+        --num_writers 4 --writer 0 [--shard_size 64 --batch_size 4 --max_len 1024 --aux_dtype auto]
 
 Start W of these (one per --writer) and `python -m train.distill --teacher_dir ...` at the same
 time: the trainer consumes shards as they are published. Rerunning a writer continues after its
 last published shard. --tp N splits the target over N devices as serving does (a Kimi-K3 target on
 one node: --tp 8), --dp M splits each batch over M such groups (dspark_jax/train/train_mesh.py).
---aux_dtype float8_e4m3fn halves the shards (one float32 scale per token and layer); every writer
-of a directory must use the same setting.
+The hidden states are stored as float8 with one float32 scale per token and layer (half a bf16
+shard; held-out tok/fwd of a draft trained on them: docs/training.md), or with --aux_dtype auto in
+--dtype; every writer of a directory must use the same setting.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ pair_flags.define_model("smollm2-135m", name="target", help="Target model: direc
 pair_flags.define_tp()
 train_mesh.define_flags(fsdp=False)
 pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Teacher compute dtype (what the trainer receives).")
-flags.DEFINE_enum("aux_dtype", "auto", ["auto", *teacher.AUX_DTYPES],
-                  "Storage of the hidden states in the shards: 'auto' stores them in --dtype; float8_e4m3fn "
-                  "stores each token's row of each captured layer (and of the final state) as float8 with one "
-                  "float32 scale (max|x| / 448), half a bf16 shard; the trainer reads them back in --dtype.")
+flags.DEFINE_enum("aux_dtype", teacher.FP8, ["auto", *teacher.AUX_DTYPES],
+                  "Storage of the hidden states in the shards: float8_e4m3fn stores each token's row of each "
+                  "captured layer (and of the final state) as float8 with one float32 scale (max|x| / 448), half "
+                  "a bf16 shard; 'auto' stores them in --dtype. The trainer reads them back in --dtype.")
 flags.DEFINE_string("data", None, "Regen cache JSONL.")
 flags.DEFINE_string("draft_config", None, "Draft config.json (its target_layer_ids are captured).")
 flags.DEFINE_string("out", None, "Shard directory.")
@@ -65,8 +66,10 @@ def main(argv: list[str]) -> None:
     if (Path(FLAGS.out) / teacher.META_FILE).exists():     # a resumed or further writer: same settings
         have = teacher.read_meta(FLAGS.out)
         if have != meta:
+            hint = "" if have.aux_dtype == meta.aux_dtype else \
+                f"; its storage is --aux_dtype {'auto' if have.aux_dtype == have.dtype else have.aux_dtype}"
             raise app.UsageError(f"{Path(FLAGS.out) / teacher.META_FILE}: written with other settings (the "
-                                 f"directory's vs these flags': {have.differences(meta)})")
+                                 f"directory's vs these flags': {have.differences(meta)}){hint}")
     log(f"hidden states stored as {meta.aux_dtype}: "
         f"{teacher.bytes_per_token(meta.hidden_size, len(meta.aux_layer_ids), meta.aux_dtype):,} bytes per token")
     mesh = train_mesh.mesh_from_flags(cfg, multi_process=False)
