@@ -11,8 +11,8 @@
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
 static setting (sampling, span, width) and batch shape, one jit per shape (`dspark_jax.programs`:
-the least recently used are dropped near the process's memory-mapping limit); its rows name their cache slots, so a call
-computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
+the least recently used are dropped near the process's memory-mapping limit); its rows name their
+cache slots, so a call computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
 warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
 keeps what it chooses the speculation length from (`acceptance`, `step_costs()`, `step_times`,
