@@ -112,8 +112,9 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
 
 def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool = False,
             progress: Callable[[int, int, ProgramShape], None] | None = None) -> dict:
-    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all),
-    stopping early once the process holds `MAPPINGS_SHARE` of its memory-mapping limit. Returns
+    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all) and
+    run each over at most `RUN_TOKENS` positions once on padding rows, stopping early once the
+    process holds `MAPPINGS_SHARE` of its memory-mapping limit. Returns
     {"programs", "skipped",
     "seconds", "cache_hits"} (cache_hits: loaded from the persistent compilation cache)."""
     shapes = program_shapes(batcher, sampled)
