@@ -144,10 +144,11 @@ class Batcher:
         unseen, uncompiled = (), ()
         if self.step_costs.measured:
             costs, unseen = self.engine.step_times.corrected(rows, span or self.max_len, costs)
-            if longest is not None:
+            if longest is not None and unseen:
+                called = self.engine.programs_called          # a set built from the held programs
                 uncompiled = [n for n in unseen
                               if self._program_key(rows, self._span(longest + (self.engine.t if n else 0) + 1),
-                                                   n, sampled) not in self.engine.programs_called]
+                                                   n, sampled) not in called]
         return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled)
 
     def _program_key(self, rows: int, span: int | None, length: int | None, sampled: bool,
