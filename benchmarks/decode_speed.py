@@ -94,7 +94,7 @@ def main(argv):
     if draft is None:
         raise app.UsageError("--draft_model none: there is no speculative step to time")
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
-    # prompts of other lengths than the warm-up's meet new span buckets and compile inside the timed
+    # batches the warm-up's did not form (prompt buckets, batch buckets) compile inside the timed
     # runs; the rates are reported over the wall time and over the wall time less that compilation
     clock, steps = CompileClock(), StepClock()
     results = []
@@ -120,7 +120,7 @@ def main(argv):
             run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
                                       speculative_length=length)
             if rnd == 0:                   # an untimed pass over the same batches compiles every
-                for i in range(0, len(prompts), b):    # program (span bucket) the timed rounds meet
+                for i in range(0, len(prompts), b):    # program the timed rounds meet
                     run(prompts[i:i + b])
                 if length == "adaptive":   # and every length at each step shape it met: the timed
                     run_every_length(eng)  # rounds may choose other lengths there

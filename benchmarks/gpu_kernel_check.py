@@ -13,7 +13,8 @@ reference ratio. Without a GPU it says so, lowers every kernel to Triton IR for 
 those shapes (no GPU needed for that step), and compares kernels with references in interpret mode
 on tiny shapes. Exit status 1 on any mismatch or error.
 
-`--crossover` also sweeps the paged MLA decode kernel against its reference over spans (keys per
+`--crossover` also sweeps the paged MLA decode kernel against its reference as `auto` runs it below
+the crossover (`mla_paged_chunked`, key chunk by key chunk) over spans (block-table keys per
 sequence: 64k down to 1k on a GPU, for verify and draft-block shapes, bf16 and fp8 caches) and
 reports the crossover: the smallest measured span from which the kernel is never slower, i.e. the
 value for `mla_paged.AUTO_MIN_KEYS` / $DSPARK_MLA_PAGED_MIN_KEYS, and whether `auto` with the
@@ -45,7 +46,7 @@ from dspark_jax.kernels import dispatch
 from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_reference, multi_anchor_kernel,
                                              multi_anchor_reference)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
-from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
+from dspark_jax.kernels.mla_paged import mla_paged_chunked, mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
 from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
 from dspark_jax.layers.kda import kda_gate, l2_normalize
@@ -370,7 +371,8 @@ def sweep_crossover(shapes, spans, iters: int, interpret: bool, tiny: bool, full
             rec = {"shape": shape.label, "span": span}
             try:
                 args = paged_args(shape, span, tiny=tiny)
-                ref = jax.jit(lambda *a, causal=shape.causal: mla_paged_reference(*a, scale, causal=causal, row=0))
+                # what `auto` runs below the crossover: the reference read chunk by chunk
+                ref = jax.jit(lambda *a, causal=shape.causal: mla_paged_chunked(*a, scale, causal=causal, row=0))
                 kern = jax.jit(lambda *a, causal=shape.causal: mla_paged_kernel(*a, scale, causal=causal, row=0,
                                                                                 interpret=interpret))
                 want, _, t_ref = _timed(ref, args, iters)

@@ -4,7 +4,7 @@
     python -m benchmarks.profile_steps --batch_sizes 1 --reps 20 --output_json /tmp/profile.json
 
 For the demo pair (SmolLM2-135M f32 + the shipped DSpark draft, or --model/--draft_model) it times,
-at each batch size, on a cache `--context` tokens deep with the Batcher's power-of-two span:
+at each batch size, on a cache `--context` tokens deep:
 
 - `step(1)`: the one-token step (`Engine.step` with zero given drafts),
 - `verify(T+1)`: the verify of T+1 tokens (`Engine.step` with T given drafts),
@@ -18,7 +18,7 @@ and maps every instruction to its source through the compiled program's HLO text
 (`jitted.lower(...).compile().as_text()`: each instruction's `stack_frame_id` -> the Python stack
 that built it; a fusion takes the group of the ops it calls, a GEMM's first). The groups:
 
-projections (Linear GEMMs), attention (scores/softmax/values over the paged span), lm_head (the GEMM
+projections (Linear GEMMs), attention (scores/softmax/values over the paged keys), lm_head (the GEMM
 whose output has the vocabulary dimension), cache writes (PagedPool.write), gathers (PagedPool.read,
 embedding lookups), norms/activations (RMSNorm, RoPE, SiLU), sampling/acceptance (argmax, Markov
 head, acceptance), other. Op time is the exclusive duration of the instruction events (nested
@@ -329,19 +329,18 @@ def programs(eng, b: int, t: int, context: int):
     from dspark_jax.batcher import pow2
 
     max_len = max(512, pow2(context + t + 1))
-    span = max(64, pow2(context + t + 1))
     caches = eng.new_caches(b, max_len)
     x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), context, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
     ml = jnp.int32(max_len)
     progs = {
         "step(1)": (eng.step_jit, lambda c: (eng.t_state, eng.d_state, x0, jnp.ones((b, 0), jnp.int32), lens,
-                                             active, ml, c, key), {"span": span, "serving": eng.serving}),
+                                             active, ml, c, key), {"serving": eng.serving}),
         f"verify({t + 1})": (eng.step_jit, lambda c: (eng.t_state, eng.d_state, x0, jnp.ones((b, t), jnp.int32),
                                                       lens, active, ml, c, key),
-                             {"span": span, "serving": eng.serving}),
+                             {"serving": eng.serving}),
         "draft": (eng.propose_jit, lambda c: (eng.t_state, eng.d_state, x0, lens, c, key),
-                  {"span": span, "serving": eng.serving, "draft_head": eng.draft_head}),
+                  {"serving": eng.serving, "draft_head": eng.draft_head}),
     }
     return progs, caches
 
@@ -362,7 +361,6 @@ def profile_batch(engines: dict, b: int, t: int, context: int, reps: int, trace_
 
     def call(v, name):
         fn, args, kw = progs[v][name]
-        kw = {k: x for k, x in kw.items() if k != "span"}      # static: part of the compiled program
         out = compiled[v, name](*args(caches[v]), **kw)
         caches[v] = out[-1]
         jax.block_until_ready(out)

@@ -4,10 +4,10 @@
 
 For each batch size B, the continuous-batching loop (the `Batcher` regen drives) answers
 `--rounds` x B pool prompts (chat template, T=0, <= --max_new_tokens): a first pass of B prompts
-compiles every span bucket, then the timed pass answers the next `--rounds` x B prompts. Prints
+compiles the programs, then the timed pass answers the next `--rounds` x B prompts. Prints
 tokens/s per batch size and the ratio to the best, and writes JSON. Generated tokens count every
 emitted token (eos included), as regen's log does. Prompts finishing at different times meet
-prefill shapes (new rows x prompt bucket) and spans the warm-up pass did not, so the timed pass
+prefill shapes (new rows x prompt bucket) and batch buckets the warm-up pass did not, so the timed pass
 still compiles: the table gives tok/s over the wall time and over the wall time less the
 compilation JAX reports (`/jax/core/compile/*` durations), the rate a long run approaches once
 every shape has been seen. The timed pass ends with a drain (fewer and fewer sequences left),
@@ -64,7 +64,7 @@ def main(argv):
     rows = []
     for b in sizes:
         batcher = Batcher(engine, b, max_len)
-        # warm-up pass: compiles the first prefill buckets and spans (the timed pass may meet more)
+        # warm-up pass: compiles the first prefill and batch buckets (the timed pass may meet more)
         batcher.run([Request(p, _NEW.value, eos_ids=eos) for p in prompts[:b]])
         reqs = [Request(p, _NEW.value, eos_ids=eos) for p in prompts[b:b * (_ROUNDS.value + 1)]]
         for r in reqs:

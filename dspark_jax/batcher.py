@@ -9,10 +9,10 @@ prompt is in and hands the emitted tokens back. So a long prompt stalls the runn
 one chunk at a time, not for its whole prefill.
 
 Every program call computes only the rows it needs, padded to a batch bucket (1, 2, 4, ... up to
-the slot count; `batch_bucket`), over the positions its longest row can reach, bucketed too
-(`Batcher._span`): one user on an 8-slot server pays for one row, and a short sequence in a
-long-context server for its own length. The pool and the slots stay as allocated; the rows carry
-their slot numbers (`Engine.step_fn`'s `rows_B`).
+the slot count; `batch_bucket`), and its attention reads keys only as far as its longest row
+reaches (`dspark_jax.layers.paged_attention`): one user on an 8-slot server pays for one row, and a
+short sequence in a long-context server for its own length, with one program for every length. The
+pool and the slots stay as allocated; the rows carry their slot numbers (`Engine.step_fn`'s `rows_B`).
 
 Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
 measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
@@ -43,9 +43,6 @@ from dspark_jax.stats import SpecStats
 log = logging.getLogger("dspark_jax")
 
 _KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
-# Step costs are measured at the span bucket of this many positions: attention grows with the span
-# for every length alike, so the ratios between lengths that the choice uses hold at other spans
-COST_SPAN = 256
 COST_REPS = 5             # timed rounds over the lengths per bucket; the fastest of each is kept
 
 
@@ -129,13 +126,12 @@ class Batcher:
         """The lengths steps can verify (what the warm-up compiles)."""
         return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
 
-    def choose_length(self, rows: int, span: int | None = None, *, longest: int | None = None,
-                      sampled: bool = False) -> int:
-        """The speculation length of a step over `rows` rows (a batch bucket) whose speculative span
-        bucket is `span`; measures the bucket's step costs first if they are not known yet. Measured
-        costs are corrected by the steps run so far (`StepTimes`); a length is tried to measure it
-        only where its program for this step (`longest`: the longest row's length; `sampled`) has
-        been compiled."""
+    def choose_length(self, rows: int, bucket: int | None = None, *, sampled: bool = False) -> int:
+        """The speculation length of a step over `rows` rows (a batch bucket) whose longest row
+        reaches `bucket` positions (`time_bucket`; None: max_len); measures the batch bucket's step
+        costs first if they are not known yet. Measured costs are corrected by the steps run so far
+        at that length bucket (`StepTimes`); a length is tried to measure it only where its program
+        for this step (`sampled`) has been compiled."""
         if not self.adaptive:
             return self.lengths[0]
         costs = self.step_costs.get(rows, self.lengths)
@@ -143,40 +139,37 @@ class Batcher:
             costs = self.measure_step_costs(rows)
         unseen, uncompiled = (), ()
         if self.step_costs.measured:
-            costs, unseen = self.engine.step_times.corrected(rows, span or self.max_len, costs)
-            if longest is not None and unseen:
+            costs, unseen = self.engine.step_times.corrected(rows, bucket or self.max_len, costs)
+            if unseen:
                 called = self.engine.programs_called          # a set built from the held programs
-                uncompiled = [n for n in unseen
-                              if self._program_key(rows, self._span(longest + (self.engine.t if n else 0) + 1),
-                                                   n, sampled) not in called]
+                uncompiled = [n for n in unseen if self._program_key(rows, n, sampled) not in called]
         return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled)
 
-    def _program_key(self, rows: int, span: int | None, length: int | None, sampled: bool,
-                     given: int | None = None) -> "StepProgram":
-        """The step program a call over `rows` rows at `span` verifying `length` drafts (None: T)
-        runs; `given`: the width of drafts passed in (None: the draft model drafts)."""
+    def _program_key(self, rows: int, length: int | None, sampled: bool, given: int | None = None) -> "StepProgram":
+        """The step program a call over `rows` rows verifying `length` drafts (None: T) runs;
+        `given`: the width of drafts passed in (None: the draft model drafts)."""
         t = self.engine.t
         if given is None and t and (length == 0 or self.proposer is not None):
             given = t if length is None else length          # a one-token step: empty given drafts
         # L = T is the program a fixed-length step runs too (one compilation for both)
         width = None if given is not None or length is None or length == t else length
-        return StepProgram(self.num_slots, self.max_len, rows, span, width, given, sampled)
+        return StepProgram(self.num_slots, self.max_len, rows, width, given, sampled)
 
     def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
-        """Time a greedy step over `rows` padding rows (nothing written) at each length: one call
+        """Time a greedy step over `rows` padding rows (nothing written; their attention reads one key
+        chunk, and grows with the context for every length alike) at each length: one call
         per length to compile (or load) its program, then `reps` rounds over the lengths in turn
         (a slow moment of the machine then hits every length alike), the fastest of each; recorded
         in the step-cost table (and its file). Logs a line per length."""
         rows_B = np.full(rows, self.num_slots, np.int32)
         zeros = np.zeros(rows, np.int32)
-        span = self._span(min(self.max_len, COST_SPAN))
         key = np.asarray(jax.random.PRNGKey(0))      # the requests' key stream stays as it is
 
         def call(n: int) -> float:
             # an engine without a draft model verifies given drafts (an external proposer's)
             given = np.zeros((rows, n), np.int32) if self.engine.draft is None else None
             t0 = time.perf_counter()
-            out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), span, 0.0, 1.0, given, n, key)
+            out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), 0.0, 1.0, given, n, key)
             np.asarray(out[0])
             return time.perf_counter() - t0
 
@@ -262,10 +255,10 @@ class Batcher:
             raise
         return touched
 
-    def _span(self, n: int) -> int | None:
-        """Positions a step must see, bucketed to powers of two (few compilations); None = all."""
-        span = max(pow2(n), 64)
-        return None if span >= self.max_len else span
+    def time_bucket(self, n: int) -> int:
+        """The bucket step times are kept by for a step whose longest row reaches `n` positions
+        (powers of two from 64, at most max_len): its attention costs what that row holds."""
+        return min(max(pow2(n), 64), self.max_len)
 
     def _next_key(self) -> np.ndarray:
         """A fresh PRNG key for one program call, as a host array. Keys are split off 64 at a time:
@@ -342,13 +335,10 @@ class Batcher:
         x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
         t = self.engine.t
         temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
-        # costs are keyed by the span a speculative step would see (the same key for every length)
-        key_span = self._span(int(lens[:m].max()) + t + 1) or self.max_len
-        length = self.choose_length(len(rows), key_span, longest=int(lens[:m].max()),
-                                    sampled=bool((temperature > 0).any())) if t else 0
+        # step times are kept by the positions a speculative step would reach (one key for every length)
+        bucket = self.time_bucket(int(lens[:m].max()) + t + 1)
+        length = self.choose_length(len(rows), bucket, sampled=bool((temperature > 0).any())) if t else 0
         started = time.perf_counter()
-        # a one-token step needs no room for drafts: the span bucket a plain engine would use
-        span = self._span(int(lens[:m].max()) + (t if length else 0) + 1)
         drafts = None
         if t and not length:    # no drafts this step: a one-token step (the draft's context rows are still written)
             drafts = np.zeros((len(rows), 0), np.int32)
@@ -356,7 +346,7 @@ class Batcher:
             drafts = np.zeros((len(rows), length), np.int32)
             for j, i in enumerate(slots):
                 drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)[:length]
-        n, emitted = self.run_step(rows, x0, lens, m, span, temperature, top_p, drafts, length=length)
+        n, emitted = self.run_step(rows, x0, lens, m, temperature, top_p, drafts, length=length)
         self.num_steps += 1
         touched = []
         for j, i in enumerate(slots):
@@ -380,7 +370,7 @@ class Batcher:
                 self._finish(r, "length")      # the next anchor has no cache position left
             touched.append(r)
         if t:
-            self.engine.step_times.observe(len(rows), key_span, length, time.perf_counter() - started)
+            self.engine.step_times.observe(len(rows), bucket, length, time.perf_counter() - started)
         return touched
 
     def batch_rows(self, slots: Sequence[int]) -> np.ndarray:
@@ -398,34 +388,32 @@ class Batcher:
         warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
         if starts_P is None:
             starts_P = np.zeros(len(lens_P), np.int32)
-        span = self._span(int(starts_P.max()) + tokens_PS.shape[1])
         first, self.caches = self.engine.prefill(tokens_PS, lens_P, slots_P, self.caches, self._next_key(),
-                                                 starts_P=starts_P, temperature=temperature, top_p=top_p, span=span)
+                                                 starts_P=starts_P, temperature=temperature, top_p=top_p)
         return np.asarray(first)
 
-    def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int, span: int | None,
-                 temperature, top_p, drafts_BT: np.ndarray | None = None, *,
-                 length: int | None = None):
+    def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int,
+                 temperature, top_p, drafts_BT: np.ndarray | None = None, *, length: int | None = None):
         """One decode step over the rows `rows_B` (`batch_rows`), the first `num_active` of them
         running, verifying `length` drafts of the draft's block (None: T) or `drafts_BT`.
         Returns (accepted [B], emitted [B, T+1]) on the host. The warm-up calls it with
         `num_active = 0`."""
         active = np.arange(len(rows_B)) < num_active
-        n, emitted = self._step_call(rows_B, x0_B, lens_B, active, span, temperature, top_p, drafts_BT, length,
+        n, emitted = self._step_call(rows_B, x0_B, lens_B, active, temperature, top_p, drafts_BT, length,
                                      self._next_key())
         return np.asarray(n), np.asarray(emitted)
 
-    def _step_call(self, rows_B, x0_B, lens_B, active_B, span, temperature, top_p, drafts_BT, length, key):
+    def _step_call(self, rows_B, x0_B, lens_B, active_B, temperature, top_p, drafts_BT, length, key):
         eng = self.engine
         if eng.t and length == 0 and drafts_BT is None:
             drafts_BT = np.zeros((len(rows_B), 0), np.int32)
-        program = self._program_key(len(rows_B), span, length, bool(np.any(np.asarray(temperature) > 0)),
+        program = self._program_key(len(rows_B), length, bool(np.any(np.asarray(temperature) > 0)),
                                     None if drafts_BT is None else drafts_BT.shape[1])
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
         n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,
                                            rows_B=rows_B, drafts_BT=drafts_BT, temperature=temperature,
-                                           top_p=top_p, span=span, width=program.width, tag=program)
+                                           top_p=top_p, width=program.width, tag=program)
         return n, emitted
 
     def _maybe_finish(self, r: Request) -> bool:
@@ -450,7 +438,6 @@ class StepProgram(NamedTuple):
     slots: int                 # the cache geometry
     max_len: int
     rows: int
-    span: int | None
     width: int | None          # drafts of the draft's block verified (None: all T)
     given: int | None          # width of drafts passed in (0: a one-token step)
     sampled: bool

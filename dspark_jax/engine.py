@@ -10,9 +10,11 @@
   context rows. Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, span, width) and batch shape, one jit per shape (`dspark_jax.programs`:
+static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.programs`:
 the least recently used are dropped near the process's memory-mapping limit); its rows name their
-cache slots, so a call computes the running sequences only (padding rows write nothing). `Engine.prefill/propose/step`
+cache slots, so a call computes the running sequences only (padding rows write nothing), and its
+attention reads keys as far as its longest row reaches (`layers.paged_attention`), so no program
+depends on the sequences' lengths. `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
 warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
 keeps what it chooses the speculation length from (`acceptance`, `step_costs()`, `step_times`,
@@ -102,7 +104,7 @@ class Engine:
         self.draft_head = None
         if draft is not None and draft.cfg.reduced_vocab:
             self.draft_head = draft.head_rows(embed_and_head(target)[1])
-        static = ("sampled", "span")
+        static = ("sampled",)
         self._jit_kw = {name: {"static_argnames": static + (("width",) if name == "step" else ()),
                                "donate_argnames": ("caches",)} for name in ("prefill", "propose", "step")}
         # the programs as one jit each, to `.lower()` for AOT checks and plans; calls go through
@@ -254,17 +256,16 @@ class Engine:
         return target, draft
 
     def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, starts_P=None, serving=None,
-                   temperature_B=None, top_p_B=None, sampled: bool = False, span: int | None = None):
+                   temperature_B=None, top_p_B=None, sampled: bool = False):
         """Prefill P sequences' prompt chunks into cache slots `slots_P` (padding rows: slot =
         number of slots, length 0) while the other slots keep their state: only these rows run.
         Row p holds `lens_P[p]` tokens at positions `starts_P[p]`.. (None: every row from 0, a
         whole prompt). A row starting at 0 starts from zero KDA state (whatever the slot held
         before); a later chunk continues from the state its slot holds, and attends to the rows
-        the earlier chunks wrote. The rows see the pool through their own block-table rows (cut to
-        `span`, which must cover every start + S); their new KDA states are scattered back into
-        their slots. The token sampled after a row's last token is its first generated token
-        when the chunk ends the prompt (meaningless otherwise); drawn at the row's
-        `temperature_B`/`top_p_B` when `sampled`, else greedy."""
+        the earlier chunks wrote. The rows see the pool through their own block-table rows; their
+        new KDA states are scattered back into their slots. The token sampled after a row's last
+        token is its first generated token when the chunk ends the prompt (meaningless otherwise);
+        drawn at the row's `temperature_B`/`top_p_B` when `sampled`, else greedy."""
         target, draft = self.merge(t_state, d_state)
         p, s = tokens_PS.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
@@ -272,7 +273,7 @@ class Engine:
             positions = positions + starts_P[:, None]
         valid = jnp.arange(s, dtype=jnp.int32)[None] < lens_P[:, None]
         full_table = caches.pool.block_table
-        table = rows_table(caches.pool, slots_P, span)
+        table = rows_table(caches.pool, slots_P)
         kda = target.new_kda_states(p, self.compute_dtype)
         if kda is not None and starts_P is not None:
             # a padding row reads a real slot's state (take clips): it is inactive and dropped by `put`
@@ -294,14 +295,13 @@ class Engine:
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
     def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
-                   draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False,
-                   span: int | None = None):
+                   draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False):
         """The draft's block pass alone (profiling times it on its own).
         `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
         its vocabulary is reduced (else the target's)."""
         target, draft = self.merge(t_state, d_state)
         full_table = caches.pool.block_table
-        pool = caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span))
+        pool = caches.pool._replace(block_table=rows_table(caches.pool, rows_B))
         embed, head = embed_and_head(target)
         prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B, pool,
                                  target.attention_rows, self.t,
@@ -311,7 +311,7 @@ class Engine:
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
                 rows_B=None, serving=None, draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False,
-                span: int | None = None, width: int | None = None):
+                width: int | None = None):
         """One propose/verify step over B rows; inactive rows write nothing and keep their KDA
         state. `rows_B`: the cache slot of each row (padding rows: the number of slots, inactive),
         so a step computes the running sequences only, padded to a batch bucket; None: row b is
@@ -319,13 +319,11 @@ class Engine:
         draft model's block pass: an external proposer's drafts (greedy only), or none (width 0:
         a one-token step). `width`: drafts verified from the draft's block (None: all T); the
         block is drafted whole either way (its rows attend to each other, so a narrower block
-        would draft other tokens). `span` (a page multiple >= every active length + T + 1) bounds
-        the positions attention reads, so a step costs what the sequences hold, not max_len.
-        `sampled`: some rows sample (at their `temperature_B` / `top_p_B`; rows at temperature 0
-        stay greedy); False: every row is greedy."""
+        would draft other tokens). `sampled`: some rows sample (at their `temperature_B` /
+        `top_p_B`; rows at temperature 0 stay greedy); False: every row is greedy."""
         target, draft = self.merge(t_state, d_state)
         full_table, full_kda = caches.pool.block_table, caches.kda
-        caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B, span)),
+        caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B)),
                               full_kda if full_kda is None or rows_B is None else full_kda.take(rows_B))
         k_draft, k_acc = jax.random.split(key)
         b = x0_B.shape[0]
@@ -394,19 +392,13 @@ def cast_floating(state, dtype):
     return jax.tree.map(cast, state)
 
 
-def span_table(table, page_size: int, span: int | None):
-    """The first pages of a block table that cover `span` positions (None: all of them)."""
-    return table if span is None else table[:, :-(-span // page_size)]
-
-
-def rows_table(pool: PagedPool, rows_B, span: int | None):
-    """The block-table rows of slots `rows_B` (None: every slot), cut to `span` positions. A padding
-    row (slot out of range) gets page numbers past the pool: its writes are dropped
-    (`PagedPool.write`) and its reads clamped, so it can never touch a sequence's pages."""
-    table = pool.block_table
-    if rows_B is not None:
-        table = jnp.take(table, rows_B, axis=0, mode="fill", fill_value=pool.pages.shape[1])
-    return span_table(table, pool.page_size, span)
+def rows_table(pool: PagedPool, rows_B):
+    """The block-table rows of slots `rows_B` (None: every slot). A padding row (slot out of range)
+    gets page numbers past the pool: its writes are dropped (`PagedPool.write`) and its reads
+    clamped, so it can never touch a sequence's pages."""
+    if rows_B is None:
+        return pool.block_table
+    return jnp.take(pool.block_table, rows_B, axis=0, mode="fill", fill_value=pool.pages.shape[1])
 
 
 def sampling_args(rows: int, temperature=None, top_p=None) -> dict:

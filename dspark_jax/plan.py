@@ -14,10 +14,12 @@ as `serve.server` warms up); the plan makes the batcher's own call for the large
 of each kind (`warmup.call_program`), and the engine, instead of running it, hands back the jitted
 program (`Engine.prefill_jit` / `step_jit`) with exactly those arguments, which is then lowered
 and compiled:
-- `prefill`: one prompt chunk at the chunk width (`max_num_batched_tokens`) at the last offset a
-  longest prompt reaches, attending over every position (the largest span bucket);
-- `step`: a one-token step (width 0) of the largest batch bucket over every position;
-- `verify`: a step verifying T drafts (the longest speculation) at that batch and span.
+- `prefill`: one prompt chunk at the chunk width (`max_num_batched_tokens`);
+- `step`: a one-token step (width 0) of the largest batch bucket;
+- `verify`: a step verifying T drafts (the longest speculation) at that batch.
+Attention reads the pool in key chunks inside a loop as far as the longest row reaches
+(`layers.paged_attention`), so one program serves every length and its buffers do not grow with
+the context.
 The rest of the list is counted, with an estimate of its compile time from the compile times
 measured here. The report's peak is the largest of `max(arguments, weights + caches) +
 temporaries + outputs not aliased to donated inputs` over the programs.

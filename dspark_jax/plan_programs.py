@@ -108,13 +108,11 @@ def describe(kind: str, s: warmup.ProgramShape, batcher: Batcher) -> str:
     t, max_len = batcher.engine.t, batcher.max_len
     sampling = "sampling" if s.sampled else "greedy"
     if kind == "prefill":
-        span = batcher._span(s.offset + s.length)
-        what = f"{s.rows} x {s.length}-token prompt chunk at position {s.offset} (target + draft context rows)"
+        what = f"{s.rows} x {s.length}-token prompt chunk (target + draft context rows)"
     else:
-        span = s.length
         what = f"one-token step, {s.rows} sequences" if kind == "step" else (
             f"propose {t} + verify {t + 1} tokens, {s.rows} sequences")
-    return f"{what}; {f'{span} positions' if span else f'every position ({max_len})'}; {sampling}"
+    return f"{what}; up to {max_len} positions; {sampling}"
 
 
 @dataclasses.dataclass(frozen=True)

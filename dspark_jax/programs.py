@@ -3,7 +3,8 @@
 XLA:CPU keeps each compiled program's kernels in memory mappings of their own (the demo pair's
 step program: ~530-680, two or three per kernel), and Linux caps a process's mappings
 (`vm.max_map_count`, 65,530 by default): past the cap the next compile fails and the process dies.
-A server meeting every batch x span x length shape would pass it after about a hundred programs.
+A process that compiles more than about a hundred programs (engines over several models or cache
+geometries, each with its batch x speculation length x prompt chunk shapes) would pass it.
 So an engine holds one jit per program shape (`CompiledPrograms`): dropping a jit releases its
 executable and its mappings, and after each new program the least recently used ones are dropped
 while the process holds more than `EVICT_SHARE` of its limit. A dropped program called again is

@@ -15,10 +15,11 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
   pair's configs, the dtypes, T and the page size.
 - `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
-  bucket, span bucket and L. A measured table times the program alone, on padding rows, at one
-  span; what a step costs in the loop can differ by more than the margin between two lengths, so
-  the observed medians replace the table's figures, and the table, scaled by what was observed
-  beside it, stands in for a length not run yet at that bucket.
+  bucket, length bucket (`Batcher.time_bucket`: the positions its longest row reaches) and L. A
+  measured table times the program alone, on padding rows (the shortest length); what a step
+  costs in the loop can differ by more than the margin between two lengths, so the observed
+  medians replace the table's figures, and the table, scaled by what was observed beside it,
+  stands in for a length not run yet at that bucket.
 - `choose_length`: the argmax; a length not observed yet whose estimate comes within
   `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement, if
   its program for the step's shape is compiled already: a compilation (seconds) costs more than
@@ -53,7 +54,7 @@ EXPLORE_MARGIN = 0.85
 
 def candidate_lengths(t: int) -> tuple[int, ...]:
     """The lengths a step may verify: 0, then verify widths L + 1 that are powers of two (2, 4, 8
-    tokens a row), and T. Each length is a compiled program per batch and span bucket, so the set
+    tokens a row), and T. Each length is a compiled program per batch bucket, so the set
     is small; halving the width between candidates keeps the step from the best length within a
     factor of two of its verify work, and T = 7 (ATOM's default) gives exactly {0, 1, 3, 7}."""
     out, k = {0, t}, 1
@@ -163,34 +164,34 @@ class StepCosts:
 
 
 class StepTimes:
-    """Wall seconds of the decode steps an engine ran, host work included, by (batch bucket, span
-    bucket, length): the last `window` of each. The first step of each key is not kept: it
-    compiles or loads its program. A key counts as observed from `min_seen` steps on."""
+    """Wall seconds of the decode steps an engine ran, host work included, by (batch bucket, length
+    bucket, speculation length): the last `window` of each. The first step of each key is not
+    kept: it may compile or load its program. A key counts as observed from `min_seen` steps on."""
 
     def __init__(self, window: int = 16, min_seen: int = 3):
         self.window, self.min_seen = window, min_seen
         self._times: dict[tuple, collections.deque] = {}
 
-    def observe(self, rows: int, span: int, length: int, seconds: float) -> None:
-        key = (rows, span, length)
+    def observe(self, rows: int, bucket: int, length: int, seconds: float) -> None:
+        key = (rows, bucket, length)
         if key not in self._times:
             self._times[key] = collections.deque(maxlen=self.window)     # the first one: compiling
             return
         self._times[key].append(seconds)
 
     def seen(self) -> dict[tuple, int]:
-        """Steps kept per (rows, span, length)."""
+        """Steps kept per (rows, length bucket, speculation length)."""
         return {k: len(v) for k, v in self._times.items()}
 
-    def median(self, rows: int, span: int, length: int) -> float | None:
-        got = self._times.get((rows, span, length))
+    def median(self, rows: int, bucket: int, length: int) -> float | None:
+        got = self._times.get((rows, bucket, length))
         return float(np.median(got)) if got is not None and len(got) >= self.min_seen else None
 
-    def corrected(self, rows: int, span: int, table: dict[int, float]) -> tuple[dict[int, float], tuple[int, ...]]:
-        """({length: seconds}, lengths not observed yet) for steps over `rows` rows at `span`: the
+    def corrected(self, rows: int, bucket: int, table: dict[int, float]) -> tuple[dict[int, float], tuple[int, ...]]:
+        """({length: seconds}, lengths not observed yet) for steps over `rows` rows at length bucket `bucket`: the
         observed median where there is one, else the table's figure times the median ratio of
         observed to table figures at this bucket (the table itself when nothing was observed)."""
-        seen = {n: m for n in table if (m := self.median(rows, span, n)) is not None}
+        seen = {n: m for n in table if (m := self.median(rows, bucket, n)) is not None}
         scale = float(np.median([seen[n] / table[n] for n in seen])) if seen else 1.0
         costs = {n: seen[n] if n in seen else table[n] * scale for n in table}
         return costs, tuple(n for n in table if n not in seen)

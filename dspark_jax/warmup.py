@@ -2,11 +2,12 @@
 
 `program_shapes` lists every (program, rows, length) shape a batcher can call: prefill (one
 program for greedy and sampled prompts) per batch bucket x chunk bucket within
-`max_num_batched_tokens` (first chunks), and one full-width chunk per span bucket a longer
-prompt's later chunks reach (`Batcher._next_chunks`); the decode step per batch bucket x span
-bucket x speculation length the batcher can choose (`Batcher.reachable_lengths`), greedy and
-(with `sampled=True`) sampling (sampling settings are traced per row, so one sampling program
-serves every temperature and top_p).
+`max_num_batched_tokens` (a longer prompt's later chunks run the one-row full-width program of its
+first); the decode step per batch bucket x speculation length the batcher can choose
+(`Batcher.reachable_lengths`), greedy and (with `sampled=True`) sampling (sampling settings are
+traced per row, so one sampling program serves every temperature and top_p). No program depends on
+how long the sequences are: attention reads as far as the longest row reaches
+(`dspark_jax.layers.paged_attention`).
 
 `warm_up` compiles them, cheapest first, through the batcher's own calls on padding rows (the
 arguments a request's call passes; nothing is written), so they land in the engine's programs
@@ -52,21 +53,16 @@ RUN_TOKENS = 4096
 
 @dataclass(frozen=True)
 class ProgramShape:
-    """One compiled program a batcher can call. `length`: the chunk bucket (prefill) or the span
-    bucket (steps; None: every position); `sampled`: the program of steps where some row samples
-    (else every row is greedy); `width`: drafts verified (None: the engine's T; 0 with a T > 0
-    engine: a one-token step; else a shorter speculation length); `offset`: a later chunk's first
-    position (its span bucket covers offset + length)."""
+    """One compiled program a batcher can call. `length`: the chunk bucket (prefill; None for
+    steps); `sampled`: the program of steps where some row samples (else every row is greedy);
+    `width`: drafts verified (None: the engine's T; 0 with a T > 0 engine: a one-token step; else a
+    shorter speculation length)."""
 
     kind: str                      # "prefill" or "step"
     rows: int
     length: int | None
     sampled: bool
     width: int | None = None
-    offset: int = 0
-
-    def cost(self, max_len: int) -> int:
-        return self.rows * ((self.length or max_len) + self.offset)
 
     def positions(self, t: int) -> int:
         """Token positions the program computes: rows x chunk (prefill), rows x verified tokens (step)."""
@@ -75,7 +71,7 @@ class ProgramShape:
         return self.rows * ((t if self.width is None else self.width) + 1)
 
     def __str__(self) -> str:
-        what = f"{self.kind} {self.rows}x{self.length or 'all'}" + (f" at {self.offset}" if self.offset else "")
+        what = f"{self.kind} {self.rows}" + (f"x{self.length}" if self.length else "")
         if self.width is not None:
             what += f" width {self.width}"
         return what + (" sampled" if self.sampled else "")
@@ -91,23 +87,13 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
     longest_chunk = longest_prompt if budget is None else min(longest_prompt, budget)
     chunks = sorted({chunk_bucket(n, budget) for n in [1] + [1 << k for k in range(longest_chunk.bit_length())]
                      + [longest_chunk]})
-    # a prompt longer than the budget: its later chunks (one row, full width) at offsets k x budget,
-    # one program per span bucket they reach beyond the first chunk's
-    later = {}
-    if budget is not None:
-        later = {batcher._span(o + budget): o for o in reversed(range(budget, longest_prompt, budget))}
-        later.pop(batcher._span(budget), None)
-    spans = list(dict.fromkeys(batcher._span(n) for n in
-                               [2] + [1 << k for k in range(1, max_len.bit_length() + 1)] + [max_len]))
     widths = [None if n == t else n for n in batcher.reachable_lengths()]
-    out = []
-    for b in buckets:        # one prefill program serves greedy and sampled prompts (`Engine.prefill`)
-        out += [ProgramShape("prefill", b, c, True) for c in chunks if budget is None or b == 1 or b * c <= budget]
-        if b == 1:
-            out += [ProgramShape("prefill", 1, budget, True, offset=o) for o in later.values()]
+    # one prefill program serves greedy and sampled prompts (`Engine.prefill`)
+    out = [ProgramShape("prefill", b, c, True) for b in buckets for c in chunks
+           if budget is None or b == 1 or b * c <= budget]
     for s in (False, True) if sampled else (False,):
-        out += [ProgramShape("step", b, span, s, w) for b in buckets for span in spans for w in widths]
-    return sorted(out, key=lambda p: (p.cost(max_len), p.sampled, p.kind, p.width or 0))
+        out += [ProgramShape("step", b, None, s, w) for b in buckets for w in widths]
+    return sorted(out, key=lambda p: (p.positions(t), p.sampled, p.kind, p.width or 0))
 
 
 def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool = False,
@@ -161,13 +147,12 @@ def call_program(batcher: Batcher, shape: ProgramShape) -> None:
     zeros = np.zeros(shape.rows, np.int32)
     temperature, top_p = (1.0 if shape.sampled else 0.0), 1.0
     if shape.kind == "prefill":
-        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p,
-                            np.full(shape.rows, shape.offset, np.int32))
+        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
         return
     drafts = None
     if batcher.proposer is not None and batcher.engine.t:
         drafts = np.zeros((shape.rows, batcher.engine.t if shape.width is None else shape.width), np.int32)
-    batcher.run_step(rows, zeros, zeros, 0, shape.length, temperature, top_p, drafts, length=shape.width)
+    batcher.run_step(rows, zeros, zeros, 0, temperature, top_p, drafts, length=shape.width)
 
 
 def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], None] | None = None) -> int:

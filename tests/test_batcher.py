@@ -204,8 +204,8 @@ def test_caches_keep_their_placement_so_each_step_compiles_once(sharded):
     x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), 5, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
     for _ in range(3):
-        *_, caches = eng.propose(x0, lens, caches, key, span=64)
-        *_, caches = eng.step(x0, lens, active, jnp.int32(64), caches, key, span=64)
+        *_, caches = eng.propose(x0, lens, caches, key)
+        *_, caches = eng.step(x0, lens, active, jnp.int32(64), caches, key)
         assert [x.sharding for x in jax.tree.leaves(caches)] == placement
     assert len(eng.programs) == 2 and eng.programs.compiled() == 2      # one propose, one step: compiled once
 

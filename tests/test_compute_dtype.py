@@ -57,19 +57,19 @@ def demo_pair(smollm2_dir):
     return target, draft
 
 
-def _programs(engine: Engine, batch: int = 2, span: int = 64):
+def _programs(engine: Engine, batch: int = 2):
     caches = engine.new_caches(batch, 128)
     x0 = jnp.zeros((batch,), jnp.int32)
     lens = jnp.full((batch,), 20, jnp.int32)
     active = jnp.ones((batch,), bool)
     key = jax.random.PRNGKey(0)
     progs = {"step": engine.step_jit.lower(engine.t_state, engine.d_state, x0, None, lens, active, jnp.int32(128),
-                                           caches, key, span=span)}
+                                           caches, key)}
     if engine.draft is not None:
-        progs["propose"] = engine.propose_jit.lower(engine.t_state, engine.d_state, x0, lens, caches, key, span=span)
+        progs["propose"] = engine.propose_jit.lower(engine.t_state, engine.d_state, x0, lens, caches, key)
     tokens = jnp.zeros((batch, 32), jnp.int32)
     progs["prefill"] = engine.prefill_jit.lower(engine.t_state, engine.d_state, tokens, lens, jnp.arange(batch),
-                                                caches, key, span=span)
+                                                caches, key)
     return progs
 
 

@@ -90,7 +90,7 @@ def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_sa
         for r in reqs[:2]:
             b.add(r)
         b.step()
-        b.add(reqs[2])         # a third row: a new batch bucket, prefill shape and span
+        b.add(reqs[2])         # a third row: a new batch bucket and prefill shape
         while b.has_work():
             b.step()
         return [r.tokens for r in reqs], eng

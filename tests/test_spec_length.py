@@ -145,17 +145,16 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     ref = Batcher(Engine(target, None, EngineConfig(num_speculative_tokens=0)), 1, 128)
     p = prompts(1, target.cfg.vocab_size, seed=3)[0]
     assert again.run([Request(p, 10)])[0].tokens == ref.run([Request(p, 10)])[0].tokens
-    # the steps it ran are timed, by batch bucket, span bucket and length, to correct the table
+    # the steps it ran are timed, by batch bucket, length bucket and speculation length, to correct the table
     seen = again.engine.step_times.seen()
     assert seen and {k[:2] for k in seen} == {(1, 64)} and {k[2] for k in seen} <= {0, 1, 3}
     # a benchmark's untimed pass then runs every length at each step shape met (padding rows)
     called = again.engine.programs_called
-    met = {(k.rows, k.span, k.sampled) for k in called}
-    missing = {(r, sp, s, n) for r, sp, s in met for n in again.lengths
-               if again._program_key(r, sp, n, s) not in called}
+    met = {(k.rows, k.sampled) for k in called}
+    missing = {(r, s, n) for r, s in met for n in again.lengths if again._program_key(r, n, s) not in called}
     assert missing and run_every_length(again.engine) == len(missing)
     called = again.engine.programs_called
-    assert all(again._program_key(r, sp, n, s) in called for r, sp, s in met for n in again.lengths)
+    assert all(again._program_key(r, n, s) in called for r, s in met for n in again.lengths)
     assert run_every_length(again.engine) == 0
     # another dtype or T is another table
     other = dict(costs_for(Engine(target, draft, EngineConfig(num_speculative_tokens=2))).key)

@@ -51,7 +51,7 @@ def _dear_at_two_rows(rows: int, n: int) -> float:
 @pytest.mark.parametrize("speculative_length,budget", [("fixed", 32), ("adaptive", None)])
 def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget, monkeypatch):
     """budget 32: prompts longer than 32 tokens go in chunk by chunk (later chunks at offsets 32,
-    64, 96 reach two span buckets), short ones several to a call. With the sampling programs warmed
+    64, 96 run the first chunk's program), short ones several to a call. With the sampling programs warmed
     too (the fixed case), requests at settings never seen before share the steps and compile
     nothing either. Programs over at most `RUN_TOKENS` positions also ran once (an executable
     enters its jit's call cache when called), the larger ones were only compiled."""
@@ -99,16 +99,17 @@ def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
     b = Batcher(eng, 8, 1024)
     shapes = warmup.program_shapes(b, sampled=True)
-    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; spans 64..512 and all
+    # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; steps of any length: one program per batch
+    # bucket (greedy and sampling)
     assert {s.rows for s in shapes} == {1, 2, 4, 8}
     assert {s.length for s in shapes if s.kind == "prefill"} == {16, 32, 64, 128, 256, 512, 1024}
-    assert {s.length for s in shapes if s.kind == "step"} == {64, 128, 256, 512, None}
-    assert len(shapes) == 4 * 7 + 2 * 4 * 5          # one prefill program for greedy and sampled prompts
-    costs = [s.cost(1024) for s in shapes]
+    assert {s.length for s in shapes if s.kind == "step"} == {None}
+    assert len(shapes) == 4 * 7 + 2 * 4          # one prefill program for greedy and sampled prompts
+    costs = [s.positions(0) for s in shapes]
     assert costs == sorted(costs)
-    assert shapes[0] == warmup.ProgramShape("prefill", 1, 16, True)
+    assert shapes[0] == warmup.ProgramShape("step", 1, None, False)
     greedy = len(warmup.program_shapes(b))
-    assert greedy == 4 * 7 + 4 * 5
+    assert greedy == 4 * 7 + 4
     info = warmup.warm_up(b, max_programs=3)
     assert info == {**info, "programs": 3, "skipped": greedy - 3}
     # a process near its memory-mapping limit stops warming up (each program holds mappings)
@@ -118,14 +119,12 @@ def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     monkeypatch.setattr(warmup, "memory_mappings", lambda: (next(counts), 100))
     info = warmup.warm_up(b, max_programs=4)
     assert info == {**info, "programs": 2, "skipped": greedy - 2}
-    # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256, later chunks of a
-    # longer prompt at one offset per span bucket past the first chunk's (512 at offset 256, all
-    # positions from 512)
+    # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256 (a longer prompt's
+    # later chunks run the one-row 256 program)
     chunked = warmup.program_shapes(Batcher(eng, 8, 1024, max_num_batched_tokens=256))
     prefills = [s for s in chunked if s.kind == "prefill"]
     assert max(s.rows * s.length for s in prefills) == 256
-    assert len(prefills) == (5 + 4 + 3 + 2) + 2          # chunk buckets 16..256 by rows 1, 2, 4, 8
-    assert {(s.rows, s.length, s.offset) for s in prefills if s.offset} == {(1, 256, 256), (1, 256, 512)}
+    assert len(prefills) == 5 + 4 + 3 + 2          # chunk buckets 16..256 by rows 1, 2, 4, 8
 
 
 def test_compilation_cache_dir_flag_then_environment_then_default(monkeypatch, tmp_path):

@@ -74,7 +74,7 @@ def make_engine(target, draft, t: int, page_size: int = 16):
 
 
 def run_every_length(eng) -> int:
-    """For every step shape (cache geometry, rows, span, greedy or sampling) `eng`'s batchers have
+    """For every step shape (cache geometry, rows, greedy or sampling) `eng`'s batchers have
     called, run each speculation length an adaptive batcher can choose once, on padding rows (nothing
     written), so a later pass over the same work compiles nothing whichever lengths it picks (a
     benchmark's untimed pass). Returns the programs run."""
@@ -84,24 +84,23 @@ def run_every_length(eng) -> int:
 
     shapes: dict[tuple, set] = {}
     for p in list(eng.programs_called):
-        shapes.setdefault((p.slots, p.max_len), set()).add((p.rows, p.span, p.sampled))
+        shapes.setdefault((p.slots, p.max_len), set()).add((p.rows, p.sampled))
     before = len(eng.programs_called)
     for (slots, max_len), met in shapes.items():
         b = Batcher(eng, slots, max_len)
-        for rows, span, sampled in sorted(met, key=str):
+        for rows, sampled in sorted(met):
             pad = np.full(rows, slots, np.int32)
             zeros = np.zeros(rows, np.int32)
             for n in b.lengths:
-                b.run_step(pad, zeros, zeros, 0, span, 1.0 if sampled else 0.0, 1.0, length=n)
+                b.run_step(pad, zeros, zeros, 0, 1.0 if sampled else 0.0, 1.0, length=n)
     return len(eng.programs_called) - before
 
 
 def step_costs(eng, b: int, reps: int = 5, context: int = 100):
-    """Timed steps on a fresh cache, `context` tokens deep, bounded like the batcher's (span):
-    the draft's block pass alone, a verify of T+1 tokens and a one-token step (both with given
-    drafts, so without the block pass). Returns the draft's share of a speculative step, the
-    tok/fwd at which speculation breaks even with one-token steps, and the
-    three times in ms."""
+    """Timed steps on a fresh cache, `context` tokens deep: the draft's block pass alone, a verify
+    of T+1 tokens and a one-token step (both with given drafts, so without the block pass).
+    Returns the draft's share of a speculative step, the tok/fwd at which speculation breaks even
+    with one-token steps, and the three times in ms."""
     import jax
     import jax.numpy as jnp
 
@@ -109,20 +108,19 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
 
     t = eng.t
     max_len = max(512, pow2(context + t + 1))
-    span = max(64, pow2(context + t + 1))
     caches = eng.new_caches(b, max_len)
     x0, lens = jnp.ones((b,), jnp.int32), jnp.full((b,), context, jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.PRNGKey(0)
 
     def propose():
         nonlocal caches
-        *out, caches = eng.propose(x0, lens, caches, key, span=span)
+        *out, caches = eng.propose(x0, lens, caches, key)
         jax.block_until_ready(out)
 
     def verify(width):
         nonlocal caches
         given = jnp.ones((b, width), jnp.int32)
-        *out, caches = eng.step(x0, lens, active, jnp.int32(max_len), caches, key, drafts_BT=given, span=span)
+        *out, caches = eng.step(x0, lens, active, jnp.int32(max_len), caches, key, drafts_BT=given)
         jax.block_until_ready(out)
 
     def timed(fn):

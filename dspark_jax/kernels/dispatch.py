@@ -2,9 +2,9 @@
 
 Modes (`use_kernels(mode)` inside a `with` block, else the env var DSPARK_KERNELS, else "auto"):
 - "auto": kernels on GPU (CUDA or ROCm, Triton lowering), references elsewhere (CPU, TPU); the
-  paged MLA decode kernel only from a crossover span measured on a GPU (`mla_paged_min_keys`):
-  below it XLA's fusion of the reference is the faster of the two;
-- "on": kernels everywhere (at every span), in interpret mode where there is no GPU;
+  paged MLA decode kernel only for block tables of at least a crossover measured on a GPU
+  (`mla_paged_min_keys`), below it the reference read chunk by chunk (`mla_paged_chunked`);
+- "on": kernels everywhere (at every table width), in interpret mode where there is no GPU;
 - "off": references everywhere;
 - "interpret": kernels in interpret mode everywhere (`pallas_call(..., interpret=True)`).
 The mode is read when a function is traced: a jitted caller keeps the choice it was traced with.
@@ -77,8 +77,8 @@ def _check_min_keys(n, where: str) -> int:
 
 
 def mla_paged_min_keys() -> int:
-    """`auto` mode runs the paged MLA kernel only when a sequence's span (block-table pages x page
-    size) holds at least this many keys; shorter spans use the reference. The
+    """`auto` mode runs the paged MLA kernel only when a sequence's block table (pages x page size)
+    holds at least this many keys; shorter tables use the reference. The
     `mla_paged_min_keys_override` value, else $DSPARK_MLA_PAGED_MIN_KEYS, else
     `mla_paged.AUTO_MIN_KEYS` (measured on an H200, see there). Modes "on" and "interpret"
     ignore it (the kernel at every span)."""
@@ -194,17 +194,18 @@ def mla_paged_attention(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         causal: bool, row: int | None = None) -> jax.Array:
     """Latent MLA attention over the paged pool -> latent context [B,T,N,C] (see mla_paged).
-    In `auto` mode spans shorter than `mla_paged_min_keys()` keys use the reference. Heads split
+    In `auto` mode tables shorter than `mla_paged_min_keys()` keys use the reference, read chunk by
+    chunk as far as the longest query reaches (`mla_paged.mla_paged_chunked`). Heads split
     over the mesh; the pool (every head reads every latent row) and the block table replicated."""
     interpret = kernel_interpret()
     span = block_table_BP.shape[1] * pages.shape[-2]        # static: keys the step may attend to
     if (interpret is None or not _fits(interpret, q_lat_BTNC.shape[-1], q_rope_BTNR.shape[-1], pages.shape[-2])
             or (kernel_mode() == "auto" and span < mla_paged_min_keys())):
-        # the reference reads bit-pattern storage itself (PagedPool.read: gather, then bitcast),
-        # so no conversion touches pages outside the span
+        # the reference reads bit-pattern storage itself (PagedPool.fold_keys: gather, then
+        # bitcast), chunk by chunk up to the longest query's limit
         _record("mla_paged_attention", "reference")
-        return mla_paged.mla_paged_reference(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT,
-                                             scale, causal=causal, row=row)
+        return mla_paged.mla_paged_chunked(q_lat_BTNC, q_rope_BTNR, pages, block_table_BP, positions_BT,
+                                           scale, causal=causal, row=row)
     kernel = lambda *a: (mla_paged.mla_paged_kernel(*a, scale, causal=causal, row=row, interpret=interpret),)
     args = (q_lat_BTNC, q_rope_BTNR, as_values(pages), block_table_BP, positions_BT)
     return _run_kernel("mla_paged_attention", kernel, args, (2, 2, None, None, None), ((4, 2),),

@@ -30,11 +30,13 @@ from dspark_jax.cache import FP8, FP8_SCALE, PagedPool
 from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
 from dspark_jax.kernels.mla_reference import masked_softmax, mla_scores_absorbed
+from dspark_jax.layers.paged_attention import paged_attention
 from dspark_jax.numerics import einsum_acc
 
 # `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
-# block table's pages x page size, i.e. the span a step attends over): below it XLA's fusion of
-# the reference is faster. Measured on one H200 (README "Kernels", 2026-11-30, 8 query rows): the
+# block table's pages x page size: the engine passes whole tables, so the server's max_model_len):
+# below it XLA's fusion of the reference is faster. Measured on one H200 (README "Kernels",
+# 2026-11-30, 8 query rows, against the reference gathering the whole table in one piece): the
 # kernel took 1.23x the reference at 4k keys (B1, 96 heads, bf16 cache) and 1.81x at 2k (B8, 96
 # heads, fp8), and 0.77x at 32k (B1, 12 heads, fp8); nothing was measured in between, so the
 # kernel starts at the smallest span where it was measured faster. `python -m
@@ -77,6 +79,27 @@ def mla_paged_reference(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: ja
     p_BNTS = masked_softmax(scores_BNTS, mask_BTS[:, None])
     o_BTNC = einsum_acc("bnts,bsc->btnc", p_BNTS.astype(kv_BSL.dtype), kv_BSL[..., :c])
     return o_BTNC.astype(q_lat_BTNC.dtype)
+
+
+def mla_paged_chunked(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.Array,
+                      block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
+                      causal: bool, row: int | None = None, chunk: int | None = None) -> jax.Array:
+    """`mla_paged_reference` read key chunk by key chunk up to the largest limit
+    (`layers.paged_attention`, `chunk` keys a trip; None: its default): what runs where the kernel
+    does not, at a cost that follows the positions rather than the block table's width."""
+    pool, r = _pool(pages, block_table_BP, row)
+    c, dtype = q_lat_BTNC.shape[-1], q_lat_BTNC.dtype
+    q_rope_BTNR = q_rope_BTNR.astype(dtype)
+
+    def scores(kv_BCL):
+        return mla_scores_absorbed(q_lat_BTNC, q_rope_BTNR, kv_BCL, scale)          # [B,N,T,C']
+
+    def values(p_BNTS, kv_BSL):
+        return einsum_acc("bnts,bsc->bntc", p_BNTS, kv_BSL[..., :c])
+
+    lim_BT = key_limits(positions_BT, causal, pool.max_len)
+    o_BNTC = paged_attention(pool, r, dtype, c + q_rope_BTNR.shape[-1], lim_BT, scores, values, chunk=chunk)
+    return o_BNTC.transpose(0, 2, 1, 3).astype(dtype)
 
 
 def _kernel(lim_ref, q_lat_ref, q_rope_ref, bt_ref, pages_ref, o_ref, m_ref, l_ref, *,

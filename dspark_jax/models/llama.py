@@ -27,6 +27,7 @@ from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear, linear_io
 from dspark_jax.layers.mlp import glu
 from dspark_jax.layers.norms import RMSNorm
+from dspark_jax.layers.paged_attention import paged_attention
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.target import ForwardOutput, TargetLM
 from dspark_jax.numerics import einsum_acc
@@ -47,6 +48,25 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
     return out_BTKGH.reshape(b, t, n, h)
+
+
+def gqa_paged_attention(q_BTNH: jax.Array, pool, row: int, num_kv_heads: int,
+                        positions_BT: jax.Array) -> jax.Array:
+    """`gqa_attention` of each query over the pool rows `[k | v]` of `row` at positions up to its
+    own, read key chunk by key chunk (`paged_attention`) -> [B,T,N,H] in q's dtype."""
+    b, t, n, h = q_BTNH.shape
+    k, dtype = num_kv_heads, q_BTNH.dtype
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+
+    def scores(kv_BCW):
+        k_BCKH = kv_BCW.reshape(b, -1, k, 2 * h)[..., :h]
+        return einsum_acc("btkgh,bckh->bkgtc", q_BTKGH, k_BCKH) * (h ** -0.5)
+
+    def values(p_BKGTC, kv_BCW):
+        return einsum_acc("bkgtc,bckh->bkgth", p_BKGTC, kv_BCW.reshape(b, -1, k, 2 * h)[..., h:])
+
+    out_BKGTH = paged_attention(pool, row, dtype, 2 * k * h, positions_BT + 1, scores, values)
+    return out_BKGTH.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 # attention(layer_idx, attn_module, normed_x_BTD) -> attention output [B,T,D]: how a layer's
@@ -215,22 +235,21 @@ class LlamaModel(TargetLM):
                        weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                        ) -> tuple[ForwardOutput, TargetCaches, None]:
         """Each layer writes its rotated keys and values at the tokens' positions, then attends
-        over the logical cache up to each query's position. `verify` changes nothing here.
+        over the logical cache up to each query's position, as far as the latest position reaches
+        (`gqa_paged_attention`). `verify` changes nothing here.
         `weights`: `serving_weights()` (fused [in, out] projections), else the declared params.
         `logits_rows_BR`: compute the logits of these rows only (`ForwardOutput.logits` [B,R,V])."""
         del verify
         pool = caches.pool
-        dtype = self.dtype
-        mask_BTS = jnp.arange(pool.max_len)[None, None, :] <= positions_BT[:, :, None]
 
         def attention(layer_idx: int, attn: LlamaAttention, x: jax.Array) -> jax.Array:
             nonlocal pool
             w = None if weights is None else weights["layers"][layer_idx]
             q, k, v = attn.project(x, positions_BT, None if w is None else w["qkv"])   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
-            b, t, nkv, hd = k.shape
+            b, t, nkv, _ = k.shape
             pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
-            kv = pool.read(layer_idx, dtype, 2 * nkv * hd).reshape(b, -1, nkv, 2 * hd)
-            return attn.attend(q, kv[..., :hd], kv[..., hd:], mask_BTS, None if w is None else w["o"])
+            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT).reshape(b, t, -1)
+            return attn.o_proj(out_BTF) if w is None else linear_io(out_BTF, w["o"])
 
         out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
         return out, TargetCaches(pool, None), None
