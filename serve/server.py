@@ -32,10 +32,12 @@ flags.DEFINE_integer("max_queue_len", 256, "Requests allowed to wait for a slot;
                      lower_bound=1)
 flags.DEFINE_float("stats_interval", 10.0, "Seconds between [MTP Stats] log lines.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Sampling seed of the engine (requests with temperature > 0).")
-flags.DEFINE_bool("warmup", True, "Compile the programs requests can meet (batch x length buckets, greedy and "
-                  "sampling: one program serves every temperature and top_p) before accepting requests.")
-flags.DEFINE_integer("warmup_max_programs", 32, "Compile at most this many programs at warm-up, the cheapest "
-                     "shapes first (the rest compile on first use, once per compilation cache); unset: all.",
+flags.DEFINE_bool("warmup", True, "Compile the programs requests can meet (prefill: batch x chunk buckets; "
+                  "steps: batch buckets x speculation lengths; greedy and sampling: one program serves every "
+                  "temperature and top_p) before accepting requests.")
+flags.DEFINE_integer("warmup_max_programs", 64, "Compile at most this many programs at warm-up, the cheapest "
+                     "shapes first (the rest compile on first use, once per compilation cache; the demo pair's "
+                     "list at the defaults is 58); unset: all.",
                      lower_bound=0)
 flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache, so a restart compiles "
                     "nothing (default: $DSPARK_COMPILATION_CACHE, else ~/.cache/dspark_jax/xla; 'off' disables).")
