@@ -24,7 +24,7 @@ import jax
 log = logging.getLogger("dspark_jax")
 
 # programs are dropped past this share of the mapping limit, down to `KEEP_SHARE` (room for the
-# next few compiles without dropping on every one); the warm-up stops at `warmup.MAPPINGS_SHARE`
+# next few compiles without dropping on every one); the warm-up stops below, at `warmup.MAPPINGS_SHARE`
 EVICT_SHARE = 0.8
 KEEP_SHARE = 0.7
 
