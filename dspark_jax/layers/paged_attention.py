@@ -1,7 +1,7 @@
 """Softmax attention over the paged pool, key chunk by key chunk, as far as the longest query reads.
 
-A gather of a sequence's whole block table makes every step cost `max_len` keys, so the engine used
-to compile one program per span bucket of the longest row; here the keys are read in chunks of
+A gather of a sequence's whole block table makes every step cost `max_len` keys, and a gather cut
+to a span bucket of the longest row makes a program per bucket; here the keys are read in chunks of
 `key_chunk()` positions inside a loop whose trip count is computed from the queries' positions, with
 an online softmax (running max, denominator and weighted sum in float32, normalised once at the
 end), so one program serves every length and costs what the longest row holds.
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 # Key positions per loop trip, on CPU: on a 2-core AMD EPYC (AVX-512 BF16, XLA_FLAGS unset;
-# 2026-12-06), demo pair at --max_model_len 8192, a step took the time of the span-bucketed
-# programs it replaced at short lengths and 0.4-0.6x of it at 3,000 tokens over 8 rows
+# 2026-12-06), demo pair at --max_model_len 8192, a step took the time of one-piece gathers over a
+# power-of-two span at short lengths and 0.41-0.69x of it at 3,000 tokens over 8 rows
 # (docs/benchmarks.md); 64 and 256 were no better.
 KEY_CHUNK = 128
 # Elsewhere (GPU): not measured. A GPU pays a launch per kernel per trip, so trips are kept few:
