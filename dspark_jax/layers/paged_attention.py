@@ -21,7 +21,8 @@ import jax.numpy as jnp
 # Key positions per loop trip, on CPU: on a 2-core AMD EPYC (AVX-512 BF16, XLA_FLAGS unset;
 # 2026-12-06), demo pair at --max_model_len 8192, a step took the time of one-piece gathers over a
 # power-of-two span at short lengths and 0.41-0.69x of it at 3,000 tokens over 8 rows
-# (docs/benchmarks.md); 64 and 256 were no better.
+# (docs/benchmarks.md). Against 64 and 256 (8 rows, medians of two alternating rounds): 64 was
+# slower from 450 tokens on; 256 was 10-16 % faster at 3,000 tokens and up to 8 % slower at 40.
 KEY_CHUNK = 128
 # Elsewhere (GPU): not measured. A GPU pays a launch per kernel per trip, so trips are kept few:
 # a context of up to 2,048 keys is read in one trip; the paged MLA kernel, whose own loop follows
