@@ -13,7 +13,7 @@ steps, never at the target's verdict on the current one, so greedy output stays 
 - `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
   (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
-  pair's configs, the dtypes, T and the page size.
+  pair's configs, the dtypes, T, the page size and how attention reads the pool (its key chunk).
 - `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
   bucket, length bucket (`Batcher.time_bucket`: the positions its longest row reaches) and L. A
   measured table times the program alone, on padding rows (the shortest length); what a step
@@ -218,6 +218,7 @@ def cost_key(engine) -> dict:
 
     from dspark_jax.hostinfo import describe_cpu
     from dspark_jax.kernels.dispatch import kernel_mode
+    from dspark_jax.layers.paged_attention import key_chunk
 
     dev = jax.devices()[0]
     configs = repr(engine.target.cfg) + "|" + repr(engine.draft.cfg if engine.draft is not None else None)
@@ -226,7 +227,10 @@ def cost_key(engine) -> dict:
             "model": hashlib.sha256(configs.encode()).hexdigest()[:16],
             "dtype": str(np.dtype(engine.compute_dtype)), "kv_storage": str(np.dtype(engine.store_dtype)),
             "num_speculative_tokens": engine.t, "page_size": engine.page_size,
-            "serving_layout": engine.serving is not None, "kernels": kernel_mode()}
+            "serving_layout": engine.serving is not None, "kernels": kernel_mode(),
+            # how attention reads the pool: tables measured with other reads (e.g. one-piece span
+            # gathers, which had no such field) cost differently and are not reused
+            "attention_key_chunk": key_chunk()}
 
 
 def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),

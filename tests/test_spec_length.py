@@ -136,6 +136,7 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     body = json.loads(files[0].read_text())
     assert body["key"]["num_speculative_tokens"] == t and body["key"]["dtype"] == "float32"
     assert "cores" in body["key"]["hardware"] and body["key"]["devices"] >= 1
+    assert body["key"]["attention_key_chunk"] == 128
     measured = body["seconds_by_rows_and_length"]["1"]
     assert set(measured) == {"0", "1", "3"} and all(s > 0 for s in measured.values())
     # a fresh engine loads the table: nothing left to measure, and generation uses it
