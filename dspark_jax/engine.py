@@ -5,7 +5,8 @@
   earlier chunks wrote), the first token sampled, the draft's context rows written.
 - `propose`: the draft's block pass alone (profiling times it apart).
 - `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_L]` in one target forward
-  (L = `width`, T by default; the block is always drafted whole, its attention being bidirectional),
+  (L = `width`, T by default; the block always runs whole through the draft's layers, its attention
+  being bidirectional, and the draft's lm_head on its first L rows),
   accept, commit the KDA snapshot of the last accepted token, write the verified tokens' draft
   context rows. Drafts of width 0 are a plain one-token step through the same program.
 
@@ -318,8 +319,9 @@ class Engine:
         slot b, over every slot. `given_drafts_BT` (their width is the step's L) replaces the
         draft model's block pass: an external proposer's drafts (greedy only), or none (width 0:
         a one-token step). `width`: drafts verified from the draft's block (None: all T); the
-        block is drafted whole either way (its rows attend to each other, so a narrower block
-        would draft other tokens). `sampled`: some rows sample (at their `temperature_B` /
+        block runs whole through the draft's layers either way (its rows attend to each other, so
+        a narrower block would draft other tokens), its lm_head on the first `width` rows.
+        `sampled`: some rows sample (at their `temperature_B` /
         `top_p_B`; rows at temperature 0 stay greedy); False: every row is greedy."""
         target, draft = self.merge(t_state, d_state)
         full_table, full_kda = caches.pool.block_table, caches.kda
@@ -335,8 +337,8 @@ class Engine:
             prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
                                      caches.pool, target.attention_rows, self.t,
                                      temperature=temperature_B, top_p=top_p_B,
-                                     key=k_draft if sampled else None, active_B=active_B)
-            drafts, draft_logits = prop.tokens_BT[:, :width], prop.logits_BTV[:, :width]
+                                     key=k_draft if sampled else None, active_B=active_B, width=width)
+            drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
             # on with the pool holding the block's draft rows (draft_context overwrites them below):
             # going on from the pool before them would keep two versions of the whole pool alive,
             # a copy of it in every step

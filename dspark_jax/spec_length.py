@@ -13,7 +13,8 @@ steps, never at the target's verdict on the current one, so greedy output stays 
 - `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
   (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
-  pair's configs, the dtypes, T, the page size and how attention reads the pool (its key chunk).
+  pair's configs, the dtypes, T, the page size, how attention reads the pool (its key chunk) and
+  the library's source.
 - `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
   bucket, length bucket (`Batcher.time_bucket`: the positions its longest row reaches) and L. A
   measured table times the program alone, on padding rows (the shortest length); what a step
@@ -33,6 +34,7 @@ memory-bound accelerator at small batch amounts to, and what keeps test runs fro
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import logging
@@ -230,7 +232,20 @@ def cost_key(engine) -> dict:
             "serving_layout": engine.serving is not None, "kernels": kernel_mode(),
             # how attention reads the pool: tables measured with other reads (e.g. one-piece span
             # gathers, which had no such field) cost differently and are not reused
-            "attention_key_chunk": key_chunk()}
+            "attention_key_chunk": key_chunk(),
+            # the library's own source: a table measured by other code (another release, an edit to
+            # a step function) may cost differently and is measured again
+            "code": source_digest()}
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the dspark_jax package's Python source."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),

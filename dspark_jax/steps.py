@@ -77,11 +77,15 @@ class DraftProposal(NamedTuple):
 def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax.Array,
                 anchor_pos_B: jax.Array, pool: PagedPool, first_row: int, num_tokens: int, *,
                 temperature=0.0, top_p=1.0, key: jax.Array | None = None,
-                active_B: jax.Array | None = None) -> DraftProposal:
+                active_B: jax.Array | None = None, width: int | None = None) -> DraftProposal:
     """One block pass: block `[x0, M x (T-1)]` at positions p..p+T-1 (x0 = anchor at p) attends to
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
     right (greedy at T=0, sampled from the biased distribution otherwise). `active_B`: rows whose
-    block rows are written (None: every row); the others read their own block but store nothing."""
+    block rows are written (None: every row); the others read their own block but store nothing.
+    `width`: drafts wanted (None: all T). The block is run whole (its rows attend to each other),
+    but the lm_head and the Markov head run on the first `width` rows only: drafting is left to
+    right, so those drafts are the same as the whole block's first ones, and the lm_head over the
+    vocabulary is most of a block pass's work."""
     cfg = draft.cfg
     ids_BT = block_input_ids(anchor_B, num_tokens, cfg.mask_token_id)
     pos_BT = anchor_pos_B[:, None] + jnp.arange(num_tokens)[None]
@@ -98,8 +102,9 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
         return attn.attend_paged(a_BTD, pos_BT, pool, row, causal=False)
 
     h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)
+    h_BTD = h_BTD[:, :num_tokens if width is None else width]
     base_BTV = draft.base_logits(h_BTD, lm_head_VD)
-    tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key)
+    tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key, block=num_tokens)
     # over target ids: a reduced draft vocabulary gives zero probability outside the kept set, so
     # rejection sampling's residual max(p - q, 0) is p there and verification stays lossless
     logits = draft.scatter_to_target(logits)

@@ -81,3 +81,31 @@ def test_draft_logit_precision_is_float32_for_a_bf16_draft():
     want = np.asarray(h, np.float64) @ np.asarray(head, np.float64).T
     # float32 accumulation of exact bf16 products over 32 terms: far below one bf16 ulp (2^-8)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_narrower_draft_width_gives_the_whole_blocks_first_drafts():
+    """`draft_block(width=w)` runs the lm_head and Markov head on the first w rows only: its drafts,
+    logits and pool are the whole block's first w, greedy and sampled (same key)."""
+    with x64():
+        target = _as_float64(tiny_llama(seed=3))
+        draft = _as_float64(tiny_draft(target, seed=4, layer_ids=(0, 2)))
+        s = 11
+        ids_BS = jnp.asarray(np.random.default_rng(6).integers(0, target.cfg.vocab_size - 1, (2, s)), jnp.int32)
+        out = target.forward(ids_BS, draft.cfg.target_layer_ids)
+        embed, head = embed_and_head(target)
+        rows = target.attention_rows
+        pool = PagedPool.create(rows + draft.cfg.num_hidden_layers, 2, 32, 4, draft.cfg.kv_latent_dim, jnp.float64)
+        positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
+        pool = steps.draft_context(draft, out.aux_hidden, positions_BS, jnp.ones((2, s), bool), pool, rows)
+        anchor_B, pos_B = ids_BS[:, -1], jnp.asarray([s - 1, s - 1], jnp.int32)
+        for kw in ({}, {"temperature": jnp.asarray([3.0, 8.0]), "top_p": jnp.asarray([0.9, 1.0]),
+                        "key": jax.random.PRNGKey(1)}):
+            whole = steps.draft_block(draft, embed, head, anchor_B, pos_B, pool, rows, T, **kw)
+            for width in (1, 2, T):
+                part = steps.draft_block(draft, embed, head, anchor_B, pos_B, pool, rows, T, width=width, **kw)
+                assert part.tokens_BT.shape == (2, width)
+                np.testing.assert_array_equal(np.asarray(part.tokens_BT), np.asarray(whole.tokens_BT[:, :width]))
+                np.testing.assert_array_equal(np.asarray(part.logits_BTV), np.asarray(whole.logits_BTV[:, :width]))
+                np.testing.assert_array_equal(np.asarray(part.confidence_BT),
+                                              np.asarray(whole.confidence_BT[:, :width]))
+                np.testing.assert_array_equal(np.asarray(part.pool.pages), np.asarray(whole.pool.pages))

@@ -16,7 +16,7 @@ from dspark_jax.bench.steps_timing import run_every_length
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
-                                    choose_length, costs_for)
+                                    choose_length, costs_for, source_digest)
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -137,6 +137,7 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     assert body["key"]["num_speculative_tokens"] == t and body["key"]["dtype"] == "float32"
     assert "cores" in body["key"]["hardware"] and body["key"]["devices"] >= 1
     assert body["key"]["attention_key_chunk"] == 128
+    assert body["key"]["code"] == source_digest() and len(source_digest()) == 16
     measured = body["seconds_by_rows_and_length"]["1"]
     assert set(measured) == {"0", "1", "3"} and all(s > 0 for s in measured.values())
     # a fresh engine loads the table: nothing left to measure, and generation uses it
