@@ -253,9 +253,12 @@ def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unsee
     """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
     are the same for every L); the shorter one among equals. Among `unseen` lengths (costs only
     estimated), the best one within `margin` of the best rate goes first: running it measures it,
-    unless it is `uncompiled` (no program for this step's shape yet: not compiled to explore)."""
+    unless it is `uncompiled` (no program for this step's shape yet: not compiled to explore).
+    L = 0 is tried whatever its estimate: a one-token step is what decoding without a draft
+    costs, the bar every other length is chosen against, and a table measured on padding rows
+    can misstate it against the others by more than the margins speculation wins by."""
     expected = acceptance.expected_accepted(costs)
     rate = {n: (1.0 + expected[n]) / costs[n] for n in costs}
     best = max(costs, key=lambda n: (rate[n], -n))
-    trial = [n for n in unseen if n != best and n not in uncompiled and rate[n] >= margin * rate[best]]
+    trial = [n for n in unseen if n != best and n not in uncompiled and (n == 0 or rate[n] >= margin * rate[best])]
     return max(trial, key=lambda n: (rate[n], -n)) if trial else best

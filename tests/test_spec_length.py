@@ -79,8 +79,10 @@ def test_choose_length_first_runs_an_unmeasured_length_close_to_the_best():
     assert choose_length(est, costs, unseen=(0, 3)) == 0        # both within 0.85 of the best: the better
     assert choose_length(est, costs, unseen=(3,)) == 3
     assert choose_length(est, costs, unseen=(7,)) == 1          # far behind: not worth a step
+    assert choose_length(est, {0: 2.0, 1: 1.4, 3: 2.0, 7: 4.0}, unseen=(0, 7)) == 0   # far behind, but the bar
     assert choose_length(est, costs, unseen=(1,)) == 1          # the best itself
-    assert choose_length(est, costs, unseen=(0, 1, 3, 7), margin=1.0) == 1
+    assert choose_length(est, costs, unseen=(1, 3, 7), margin=1.0) == 1
+    assert choose_length(est, costs, unseen=(0, 1, 3, 7), margin=1.0) == 0     # the one-token step is measured
 
 
 def test_a_length_without_its_program_is_not_compiled_to_explore():
