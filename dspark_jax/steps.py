@@ -84,8 +84,8 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
     block rows are written (None: every row); the others read their own block but store nothing.
     `width`: drafts wanted (None: all T). The block is run whole (its rows attend to each other),
     but the lm_head and the Markov head run on the first `width` rows only: drafting is left to
-    right, so those drafts are the same as the whole block's first ones, and the lm_head over the
-    vocabulary is most of a block pass's work."""
+    right, so those drafts are the same as the whole block's first ones, and each row left out
+    saves a product with the whole vocabulary."""
     cfg = draft.cfg
     ids_BT = block_input_ids(anchor_B, num_tokens, cfg.mask_token_id)
     pos_BT = anchor_pos_B[:, None] + jnp.arange(num_tokens)[None]
