@@ -89,3 +89,28 @@ def linear_acc(x_XI: jax.Array, w_OI: jax.Array) -> jax.Array:
     if w_OI.dtype == jnp.bfloat16 and native_bf16_gemm():
         return _native_bf16_projection(x_XI, w_OI)
     return einsum_acc("...i,oi->...o", x_XI, w_OI)
+
+
+# Positions per chunk of `argmax`'s two-level search (8 rows x 49,152 ids: 0.94 -> 0.15 ms; 32 x 4 x
+# 49,152: 3.7 -> 0.2 ms; AMD EPYC, 2 cores, AVX-512 BF16, XLA_FLAGS unset, 2026-12-07).
+ARGMAX_CHUNK = 512
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32: the first index of the maximum, the same index for every
+    row without NaN (XLA:CPU's vector max may skip a NaN, which jnp.argmax ranks above everything;
+    a row of NaN logits has no meaningful token either way). XLA:CPU compiles an argmax into a
+    scalar loop over (value, index) pairs, about 0.1 ms per 49,152-id row, a few percent of a
+    verify step; on CPU the maximum of each chunk of `ARGMAX_CHUNK` ids (a vector reduction) picks
+    the first chunk holding the row's maximum, and the argmax runs inside that chunk only."""
+    v = x.shape[-1]
+    if not on_cpu() or v <= 2 * ARGMAX_CHUNK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    pad = -v % ARGMAX_CHUNK
+    if pad:     # -inf past the end: never before a real maximum (ties go to the first index)
+        low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=low)
+    chunks = x.reshape(x.shape[:-1] + (x.shape[-1] // ARGMAX_CHUNK, ARGMAX_CHUNK))
+    first = jnp.argmax(jnp.max(chunks, axis=-1), axis=-1)
+    inside = jnp.take_along_axis(chunks, first[..., None, None], axis=-2)[..., 0, :]
+    return (first * ARGMAX_CHUNK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.numerics import acc_dtype
+from dspark_jax.numerics import acc_dtype, argmax
 
 
 # The Markov scan is unrolled (T is small and static): as a while loop, XLA:CPU hands the loop a
@@ -87,7 +87,7 @@ def _unsort(values, order):
 def sample_tokens(logits_BV: jax.Array, temperature, top_p, key: jax.Array | None) -> jax.Array:
     """A token per row: argmax where the row's temperature is 0 (or no key is given), else drawn
     from the row's filtered distribution (`filter_logits`: numbers or per-row arrays)."""
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits_BV)
     if key is None or (not _per_row(temperature) and temperature <= 0):
         return greedy
     drawn = jax.random.categorical(key, filter_logits(logits_BV, temperature, top_p), axis=-1).astype(jnp.int32)

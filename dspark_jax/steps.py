@@ -23,6 +23,7 @@ from dspark_jax.cache import KDAStates, PagedPool, TargetCaches
 from dspark_jax.layers.kda import KDASnapshots
 from dspark_jax.models.dspark import block_input_ids
 from dspark_jax.models.target import ForwardOutput
+from dspark_jax.numerics import argmax
 from dspark_jax.sampling import filter_logits, markov_draft
 
 
@@ -128,7 +129,7 @@ def accept_greedy(target_logits_BT1V: jax.Array, drafts_BT: jax.Array,
                   limit_B: jax.Array | None = None) -> Acceptance:
     """Target argmax per row; accept the drafts that equal it, up to the first mismatch (ATOM's
     rejection sampler at T=0). `limit_B` caps n (room left before max length)."""
-    t_BT1 = jnp.argmax(target_logits_BT1V, axis=-1).astype(drafts_BT.dtype)
+    t_BT1 = argmax(target_logits_BT1V).astype(drafts_BT.dtype)
     n = _leading_true(drafts_BT == t_BT1[:, :-1])
     if limit_B is not None:
         n = jnp.minimum(n, limit_B)

@@ -61,7 +61,6 @@ UNTESTED_BY_NAME = {
     "models/kimi.py": "the kimi_linear family: tests/test_kimi_target.py",
     "models/target.py": "the TargetLM contract: every family implements it (tests/test_llama.py, "
                         "tests/test_kimi_target.py)",
-    "numerics.py": "the bf16 GEMM probe behind dtype auto: tests/test_compute_dtype.py",
     "params.py": "parameter walking under every converter: tests/test_dspark_draft.py, tests/test_target_io.py",
     "plan_programs.py": "the server's programs as serve.plan compiles them, and the MoE FLOPs count: "
                         "tests/test_plan.py",

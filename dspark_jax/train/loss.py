@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from dspark_jax.kernels import dispatch
 from dspark_jax.layers.mla import split_kv_b
 from dspark_jax.models.dspark import block_input_ids
-from dspark_jax.numerics import linear_acc
+from dspark_jax.numerics import argmax, linear_acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ def teacher_probs(target_logits_XV: jax.Array, draft_ids_K: jax.Array | None = N
     float64 inputs)."""
     f32 = jnp.promote_types(target_logits_XV.dtype, jnp.float32)
     p_XV = jax.nn.softmax(target_logits_XV.astype(f32), axis=-1)
-    top1 = jnp.argmax(p_XV, axis=-1)
+    top1 = argmax(p_XV)
     if draft_ids_K is None:
         return TeacherProbs(p_XV, jnp.zeros(p_XV.shape[:-1], f32), top1)
     kept_V = jnp.zeros(p_XV.shape[-1], bool).at[draft_ids_K].set(True)
@@ -205,14 +205,14 @@ def terms_from_teacher(draft_logits_BATV: jax.Array, teacher: TeacherProbs, conf
     l1 = jnp.sum(jnp.abs(jnp.exp(logp_BATV) - teacher.p_K.astype(f32)), axis=-1) + teacher.bucket.astype(f32)
     if draft_ids_K is None:
         ce = -jnp.take_along_axis(logp_BATV, labels_BAT[..., None], axis=-1)[..., 0]
-        draft_top1 = jnp.argmax(logp_BATV, axis=-1)
+        draft_top1 = argmax(logp_BATV)
     else:
         k = draft_ids_K.shape[0]
         lab_idx = jnp.clip(jnp.searchsorted(draft_ids_K, labels_BAT), 0, k - 1)
         in_set = jnp.take(draft_ids_K, lab_idx) == labels_BAT             # else: the bucket
         ce_kept = -jnp.take_along_axis(logp_BATV, lab_idx[..., None], axis=-1)[..., 0]
         ce = jnp.where(in_set, ce_kept, 0.0)
-        draft_top1 = jnp.take(draft_ids_K, jnp.argmax(logp_BATV, axis=-1))
+        draft_top1 = jnp.take(draft_ids_K, argmax(logp_BATV))
     accept = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)
     if conf_logit_BAT is None:
         bce = jnp.zeros_like(ce)
