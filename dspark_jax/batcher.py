@@ -137,13 +137,15 @@ class Batcher:
         costs = self.step_costs.get(rows, self.lengths)
         if costs is None:
             costs = self.measure_step_costs(rows)
-        unseen, uncompiled = (), ()
+        unseen, uncompiled, expired = (), (), ()
         if self.step_costs.measured:
-            costs, unseen = self.engine.step_times.corrected(rows, bucket or self.max_len, costs)
+            times, bucket = self.engine.step_times, bucket or self.max_len
+            costs, unseen = times.corrected(rows, bucket, costs)
             if unseen:
                 called = self.engine.programs_called          # a set built from the held programs
                 uncompiled = [n for n in unseen if self._program_key(rows, n, sampled) not in called]
-        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled)
+                expired = [n for n in unseen if times.expired(rows, bucket, n)]
+        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled, expired=expired)
 
     def _program_key(self, rows: int, length: int | None, sampled: bool, given: int | None = None) -> "StepProgram":
         """The step program a call over `rows` rows verifying `length` drafts (None: T) runs;

@@ -20,7 +20,8 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   measured table times the program alone, on padding rows (the shortest length); what a step
   costs in the loop can differ by more than the margin between two lengths, so the observed
   medians replace the table's figures, and the table, scaled by what was observed beside it,
-  stands in for a length not run yet at that bucket.
+  stands in for a length not run yet at that bucket. Observed figures expire after a few hundred
+  steps, so a length is measured again now and then.
 - `choose_length`: the argmax; a length not observed yet whose estimate comes within
   `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement, if
   its program for the step's shape is compiled already: a compilation (seconds) costs more than
@@ -167,27 +168,40 @@ class StepCosts:
 
 class StepTimes:
     """Wall seconds of the decode steps an engine ran, host work included, by (batch bucket, length
-    bucket, speculation length): the last `window` of each. The first step of each key is not
-    kept: it may compile or load its program. A key counts as observed from `min_seen` steps on."""
+    bucket, speculation length): the last `window` of each, from the last `horizon` steps the
+    engine ran. The first step of each key is not kept: it may compile or load its program. A key
+    counts as observed from `min_seen` such steps on. Figures expire so that a length measured
+    during a slow moment of the machine (a length the choice then avoids, so nothing would replace
+    its figures) is measured again, as a length not observed is (`choose_length`)."""
 
-    def __init__(self, window: int = 16, min_seen: int = 3):
-        self.window, self.min_seen = window, min_seen
+    def __init__(self, window: int = 16, min_seen: int = 3, horizon: int = 256):
+        self.window, self.min_seen, self.horizon = window, min_seen, horizon
+        self.clock = 0                   # steps observed so far, of every key
         self._times: dict[tuple, collections.deque] = {}
 
     def observe(self, rows: int, bucket: int, length: int, seconds: float) -> None:
+        self.clock += 1
         key = (rows, bucket, length)
         if key not in self._times:
             self._times[key] = collections.deque(maxlen=self.window)     # the first one: compiling
             return
-        self._times[key].append(seconds)
+        self._times[key].append((self.clock, seconds))
+
+    def _recent(self, key: tuple) -> list[float]:
+        return [s for at, s in self._times.get(key, ()) if self.clock - at < self.horizon]
 
     def seen(self) -> dict[tuple, int]:
-        """Steps kept per (rows, length bucket, speculation length)."""
-        return {k: len(v) for k, v in self._times.items()}
+        """Steps kept (not expired) per (rows, length bucket, speculation length)."""
+        return {k: len(self._recent(k)) for k in self._times}
+
+    def expired(self, rows: int, bucket: int, length: int) -> bool:
+        """Observed once, but no figure is recent enough to count."""
+        got = self._times.get((rows, bucket, length))
+        return bool(got) and len(self._recent((rows, bucket, length))) < self.min_seen
 
     def median(self, rows: int, bucket: int, length: int) -> float | None:
-        got = self._times.get((rows, bucket, length))
-        return float(np.median(got)) if got is not None and len(got) >= self.min_seen else None
+        got = self._recent((rows, bucket, length))
+        return float(np.median(got)) if len(got) >= self.min_seen else None
 
     def corrected(self, rows: int, bucket: int, table: dict[int, float]) -> tuple[dict[int, float], tuple[int, ...]]:
         """({length: seconds}, lengths not observed yet) for steps over `rows` rows at length bucket `bucket`: the
@@ -249,16 +263,19 @@ def source_digest() -> str:
 
 
 def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),
-                  margin: float = EXPLORE_MARGIN, *, uncompiled=()) -> int:
+                  margin: float = EXPLORE_MARGIN, *, uncompiled=(), expired=()) -> int:
     """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
     are the same for every L); the shorter one among equals. Among `unseen` lengths (costs only
     estimated), the best one within `margin` of the best rate goes first: running it measures it,
     unless it is `uncompiled` (no program for this step's shape yet: not compiled to explore).
-    L = 0 is tried whatever its estimate: a one-token step is what decoding without a draft
-    costs, the bar every other length is chosen against, and a table measured on padding rows
-    can misstate it against the others by more than the margins speculation wins by."""
+    L = 0 is tried whatever its estimate unless it is among the `expired` (measured before, its
+    figures too old to count: then it must come within the margin like the others): a one-token
+    step is what decoding without a draft costs, the bar every other length is chosen against,
+    and a table measured on padding rows can misstate it against the others by more than the
+    margins speculation wins by."""
     expected = acceptance.expected_accepted(costs)
     rate = {n: (1.0 + expected[n]) / costs[n] for n in costs}
     best = max(costs, key=lambda n: (rate[n], -n))
-    trial = [n for n in unseen if n != best and n not in uncompiled and (n == 0 or rate[n] >= margin * rate[best])]
+    trial = [n for n in unseen if n != best and n not in uncompiled
+             and ((n == 0 and n not in expired) or rate[n] >= margin * rate[best])]
     return max(trial, key=lambda n: (rate[n], -n)) if trial else best

@@ -92,6 +92,10 @@ def test_a_length_without_its_program_is_not_compiled_to_explore():
     assert choose_length(est, costs, unseen=(0, 3), uncompiled=(0,)) == 3
     assert choose_length(est, costs, unseen=(0, 3), uncompiled=(0, 3)) == 1
     assert choose_length(est, costs, unseen=(1,), uncompiled=(1,)) == 1      # the best is run all the same
+    # a one-token step measured before whose figures expired must come within the margin like the others
+    assert choose_length(est, costs, unseen=(0,), expired=(0,)) == 0          # rate 1.0 >= 0.85 x 1.071
+    far = {0: 1.0, 1: 0.7, 3: 2.0, 7: 4.0}                                      # rates 1.0, 1.53, ...
+    assert choose_length(est, far, unseen=(0,)) == 0 and choose_length(est, far, unseen=(0,), expired=(0,)) == 1
 
 
 def test_step_times_replace_the_table_where_observed_and_scale_it_elsewhere():
@@ -119,6 +123,28 @@ def test_step_times_replace_the_table_where_observed_and_scale_it_elsewhere():
     for _ in range(4):                              # the window keeps the last steps
         times.observe(4, 128, 1, 1.0)
     assert times.median(4, 128, 1) == 1.0 and times.seen()[(4, 128, 1)] == 4
+
+
+def test_step_times_expire_so_a_length_is_measured_again():
+    """Figures older than the horizon (steps of any key) no longer count: a length timed during a
+    slow moment, which the choice then avoids, is not held to that figure for good."""
+    times = StepTimes(window=8, min_seen=2, horizon=10)
+    table = {0: 1.0, 3: 2.0}
+    for s in (None, 9.0, 9.0):                      # L = 3 timed slow (the first step: compiling)
+        times.observe(8, 256, 3, s if s is not None else 99.0)
+    assert times.median(8, 256, 3) == 9.0 and not times.expired(8, 256, 3)
+    for _ in range(7):                              # other steps pass: the clock runs for every key
+        times.observe(8, 256, 0, 1.0)
+    assert times.median(8, 256, 3) == 9.0           # 8 and 7 steps old: within the horizon
+    times.observe(8, 256, 0, 1.0)
+    times.observe(8, 256, 0, 1.0)
+    assert times.median(8, 256, 3) is None and times.expired(8, 256, 3) and times.seen()[(8, 256, 3)] == 1
+    costs, unseen = times.corrected(8, 256, table)
+    assert unseen == (3,) and costs[0] == 1.0 and costs[3] == pytest.approx(2.0)    # the table, scaled by L = 0's
+    assert not times.expired(8, 256, 7) and not times.expired(4, 256, 0)           # never observed: not expired
+    times.observe(8, 256, 3, 2.0)
+    times.observe(8, 256, 3, 2.2)
+    assert times.median(8, 256, 3) == pytest.approx(2.1) and not times.expired(8, 256, 3)
 
 
 def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
