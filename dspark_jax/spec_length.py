@@ -195,9 +195,10 @@ class StepTimes:
         return {k: len(self._recent(k)) for k in self._times}
 
     def expired(self, rows: int, bucket: int, length: int) -> bool:
-        """Observed once, but no figure is recent enough to count."""
-        got = self._times.get((rows, bucket, length))
-        return bool(got) and len(self._recent((rows, bucket, length))) < self.min_seen
+        """Not observed now because figures it had grew too old (not because too few were taken yet)."""
+        got = self._times.get((rows, bucket, length), ())
+        return (any(self.clock - at >= self.horizon for at, _ in got)
+                and len(self._recent((rows, bucket, length))) < self.min_seen)
 
     def median(self, rows: int, bucket: int, length: int) -> float | None:
         got = self._recent((rows, bucket, length))

@@ -130,6 +130,9 @@ def test_step_times_expire_so_a_length_is_measured_again():
     slow moment, which the choice then avoids, is not held to that figure for good."""
     times = StepTimes(window=8, min_seen=2, horizon=10)
     table = {0: 1.0, 3: 2.0}
+    times.observe(8, 256, 1, 99.0)
+    times.observe(8, 256, 1, 1.5)                   # one figure, being measured: not expired
+    assert times.median(8, 256, 1) is None and not times.expired(8, 256, 1)
     for s in (None, 9.0, 9.0):                      # L = 3 timed slow (the first step: compiling)
         times.observe(8, 256, 3, s if s is not None else 99.0)
     assert times.median(8, 256, 3) == 9.0 and not times.expired(8, 256, 3)
