@@ -5,9 +5,9 @@
     python -m benchmarks.decode_speed --steps_only --random_weights --model dspark_jax/configs/smollm2-135m.json
 
 Each variant first runs once untimed over the same batches (compiling every program the timed
-rounds meet: for the adaptive variant, every speculation length at each step shape met, as its
-choices may differ from one pass to the next; it also measures the step costs of a batch size not
-measured before on the host it runs on). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
+rounds meet: for the adaptive variant, every speculation length at every batch bucket up to the
+batch size, as its choices and the buckets of a batch's last steps may differ from one pass to the
+next; it also measures the step costs of a bucket not measured before on the host it runs on). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
 speculative tokens/s with every step verifying T drafts ("fixed"), their ratio (of the
 best rounds, and the median of the ratios within each round), tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
@@ -122,8 +122,8 @@ def main(argv):
             if rnd == 0:                   # an untimed pass over the same batches compiles every
                 for i in range(0, len(prompts), b):    # program the timed rounds meet
                     run(prompts[i:i + b])
-                if length == "adaptive":   # and every length at each step shape it met: the timed
-                    run_every_length(eng)  # rounds may choose other lengths there
+                if length == "adaptive":   # and every length at every bucket: the timed rounds
+                    run_every_length(eng)  # may choose other lengths, their tails other buckets
             produced, elapsed, stats = 0, 0.0, None
             clock.reset()
             steps.reset()

@@ -194,6 +194,25 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     assert other != body["key"] and other["num_speculative_tokens"] == 2
 
 
+def test_untimed_pass_covers_every_batch_bucket_a_tail_can_reach(tmp_path, monkeypatch):
+    """A batch's last rows can finish together in one pass and one by one in the next, so a later
+    pass may step at a bucket the untimed pass never met: `run_every_length` runs every length at
+    every bucket up to the widest one called, measuring the buckets whose costs are unknown."""
+    monkeypatch.setenv(ENV_COSTS, str(tmp_path))
+    target = tiny_llama(0)
+    eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=1))
+    b = Batcher(eng, 4, 64)
+    b.step_costs.put(4, {0: 1.0, 1: 1.5})                    # only the 4-row bucket known and called
+    pad, zeros = np.full(4, 4, np.int32), np.zeros(4, np.int32)
+    b.run_step(pad, zeros, zeros, 0, 0.0, 1.0, length=1)
+    assert {(p.rows, p.width, p.given) for p in eng.programs_called} == {(4, None, None)}
+    assert run_every_length(eng) == 5                         # rows 1, 2, 4 x lengths 0, 1, less the one called
+    assert {(p.rows, p.given) for p in eng.programs_called} == {(r, g) for r in (1, 2, 4) for g in (0, None)}
+    table = json.loads(next(tmp_path.glob("*.json")).read_text())["seconds_by_rows_and_length"]
+    assert sorted(table) == ["1", "2", "4"] and table["4"] == {"0": 1.0, "1": 1.5}
+    assert run_every_length(eng) == 0
+
+
 def test_step_costs_environment_settings(monkeypatch):
     target = tiny_llama(0)
     eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=3))

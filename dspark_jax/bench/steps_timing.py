@@ -74,13 +74,16 @@ def make_engine(target, draft, t: int, page_size: int = 16):
 
 
 def run_every_length(eng) -> int:
-    """For every step shape (cache geometry, rows, greedy or sampling) `eng`'s batchers have
-    called, run each speculation length an adaptive batcher can choose once, on padding rows (nothing
-    written), so a later pass over the same work compiles nothing whichever lengths it picks (a
-    benchmark's untimed pass). Returns the programs run."""
+    """For every cache geometry `eng`'s batchers have called, run each speculation length an
+    adaptive batcher can choose once, on padding rows (nothing written), at every batch bucket up
+    to the widest one called (greedy, and sampling where it was called), so a later pass over the
+    same work compiles nothing whichever lengths it picks and whichever bucket its last rows end
+    in (a benchmark's untimed pass: which rows finish together, and so the buckets a batch's tail
+    steps use, can change from one pass to the next). A bucket whose step costs are not known yet
+    is measured first (`Batcher.choose_length`). Returns the programs run."""
     import numpy as np
 
-    from dspark_jax.batcher import Batcher
+    from dspark_jax.batcher import Batcher, batch_bucket
 
     shapes: dict[tuple, set] = {}
     for p in list(eng.programs_called):
@@ -88,11 +91,14 @@ def run_every_length(eng) -> int:
     before = len(eng.programs_called)
     for (slots, max_len), met in shapes.items():
         b = Batcher(eng, slots, max_len)
-        for rows, sampled in sorted(met):
-            pad = np.full(rows, slots, np.int32)
-            zeros = np.zeros(rows, np.int32)
-            for n in b.lengths:
-                b.run_step(pad, zeros, zeros, 0, 1.0 if sampled else 0.0, 1.0, length=n)
+        buckets = sorted({batch_bucket(n, slots) for n in range(1, max(r for r, _ in met) + 1)})
+        for sampled in sorted({s for _, s in met}):
+            for rows in buckets:
+                b.choose_length(rows, sampled=sampled)       # measures the bucket if its costs are unknown
+                pad = np.full(rows, slots, np.int32)
+                zeros = np.zeros(rows, np.int32)
+                for n in b.lengths:
+                    b.run_step(pad, zeros, zeros, 0, 1.0 if sampled else 0.0, 1.0, length=n)
     return len(eng.programs_called) - before
 
 
