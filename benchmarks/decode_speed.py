@@ -18,6 +18,12 @@ host loop, set-up), for the best round of each variant; then the adaptive specul
 its tokens/s, its ratio to plain and the lengths its steps chose. A summary table of the three
 rates ends the run. CPU numbers are only meaningful as ratios; absolute times only from a GPU.
 
+By default each batch size b runs the prompts in batches of b, one `generate()` call each, which
+lasts as long as its slowest sequence: with speculation, sequences that accept fewer drafts finish
+later, and the batch's last steps run a few rows. `--continuous` decodes all the prompts in one call
+with b slots (`generate(max_num_seqs=b)`): a finished sequence's slot takes the next prompt at once,
+as the server's continuous batching does.
+
 `--steps_only` times just the three steps (no generation, no prompts, no tokenizer) and prints
 them in ms; with `--random_weights` the target is built from --model's config alone (a
 config.json or its directory, e.g. dspark_jax/configs/smollm2-135m.json) with random weights
@@ -36,7 +42,7 @@ from pathlib import Path
 from absl import app, flags
 
 from dspark_jax.bench.steps_timing import (CompileClock, StepClock, make_engine, random_target, run_every_length,
-                                           step_costs)
+                                           run_every_prefill, step_costs)
 from dspark_jax.serving import pair_flags
 
 _MODEL = pair_flags.define_model("smollm2-135m")
@@ -51,6 +57,10 @@ _ROUNDS = flags.DEFINE_integer("rounds", 1, "timed passes per variant, alternati
                                lower_bound=1)
 _JSON = flags.DEFINE_string("output_json", None, "write the results here")
 _REPS = flags.DEFINE_integer("step_reps", 5, "timed repetitions of each step (after a compile call)")
+_CONTINUOUS = flags.DEFINE_bool("continuous", False, "each batch size is the sequences decoded at once over all "
+                                 "--num_prompts prompts (generate(max_num_seqs=)), a finished one's slot taking the "
+                                 "next prompt as in a server; default: batches of that many prompts, one generate() "
+                                 "call each, which lasts as long as its slowest sequence")
 _STEPS_ONLY = flags.DEFINE_bool("steps_only", False, "only time the steps (block pass, verify, one-token step)")
 _RANDOM = flags.DEFINE_bool("random_weights", False, "target from --model's config (a config.json or its "
                             "directory) with random weights (with --steps_only)")
@@ -68,7 +78,9 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
+    from dspark_jax.batcher import prefill_bucket
     from dspark_jax.data.eval_sets import load_gsm8k
+    from dspark_jax.generate import encode_prompt, tokenizer_for
     from dspark_jax.serving.pair import load_draft_spec
 
     pair_flags.require_one_device("benchmarks.decode_speed")
@@ -94,6 +106,8 @@ def main(argv):
     if draft is None:
         raise app.UsageError("--draft_model none: there is no speculative step to time")
     prompts = [] if _STEPS_ONLY.value else [it.conversation() for it in load_gsm8k(limit=_N.value)]
+    tokenizer = tokenizer_for(target) if prompts else None
+    widths = sorted({prefill_bucket(len(encode_prompt(p, tokenizer, True))) for p in prompts})    # prompt buckets
     # batches the warm-up's did not form (prompt buckets, batch buckets) compile inside the timed
     # runs; the rates are reported over the wall time and over the wall time less that compilation
     clock, steps = CompileClock(), StepClock()
@@ -116,19 +130,23 @@ def main(argv):
         variants = [("plain", None, "fixed"), ("speculative", draft, "fixed"), ("adaptive", draft, "adaptive")]
         # rounds alternate the variants (a slow spell of the machine hits all of them); each
         # variant's best round is reported
+        batches = [prompts] if _CONTINUOUS.value else [prompts[i:i + b] for i in range(0, len(prompts), b)]
+        row["batching"] = "continuous" if _CONTINUOUS.value else "fixed"
         for rnd, (name, d, length) in ((r, v) for r in range(_ROUNDS.value) for v in variants):
             run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
-                                      speculative_length=length)
+                                      speculative_length=length, max_num_seqs=b)
             if rnd == 0:                   # an untimed pass over the same batches compiles every
-                for i in range(0, len(prompts), b):    # program the timed rounds meet
-                    run(prompts[i:i + b])
+                for ps in batches:         # program the timed rounds meet
+                    run(ps)
                 if length == "adaptive":   # and every length at every bucket: the timed rounds
                     run_every_length(eng)  # may choose other lengths, their tails other buckets
+                if _CONTINUOUS.value:      # and prompts admitted a few at a time, as slots free up
+                    run_every_prefill(make_engine(target, d, _T.value if d is not None else 0), widths)
             produced, elapsed, stats = 0, 0.0, None
             clock.reset()
             steps.reset()
-            for i in range(0, len(prompts), b):
-                res, dt = _timed(lambda: run(prompts[i:i + b]))
+            for ps in batches:
+                res, dt = _timed(lambda: run(ps))
                 produced += sum(len(o.token_ids) for o in res.outputs)
                 elapsed += dt
                 stats = res.stats if stats is None else _merge(stats, res.stats)
@@ -189,7 +207,8 @@ def main(argv):
         jax.clear_caches()
         eng.programs.clear()       # generate()'s speculative engine: what the chooser reads as compiled
     if results and not _STEPS_ONLY.value:
-        print(f"\ntokens/s, demo settings T = {_T.value}, {_NEW.value} new tokens, {_N.value} GSM8K prompts; "
+        print(f"\ntokens/s, demo settings T = {_T.value}, {_NEW.value} new tokens, {_N.value} GSM8K prompts, "
+              f"{'continuous batching over b slots' if _CONTINUOUS.value else 'batches of b prompts'}; "
               f"CPU: {describe_cpu()}")
         print(f"{'batch':>5} | {'plain':>8} | {'fixed T':>8} | {'adaptive':>8} | fixed/plain | adaptive/plain")
         for r in results:

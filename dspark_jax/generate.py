@@ -47,7 +47,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
              tokenizer=None, max_model_len: int | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 16, engine: Engine | None = None, proposer=None,
              speculative_length: str = "adaptive", step_costs: StepCosts | None = None,
-             max_num_batched_tokens: int | None = None, dtype="auto") -> GenerateResult:
+             max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+             dtype="auto") -> GenerateResult:
     """Generate continuations for a batch of prompts.
 
     `target`/`draft` are loaded models or anything `load_target`/`load_draft` accept (a directory
@@ -64,6 +65,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
     by chunk, between the decode steps of those already in; output is unchanged); None (the
     default): every prompt whole, all in one prefill (the server's default is 2048).
+    `max_num_seqs`: sequences decoded at once (cache slots); a prompt waits for a slot, taken as
+    soon as a sequence finishes (continuous batching, as the server does), so a cache for this
+    many sequences is allocated rather than one for every prompt. None (the default): all prompts at once.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
     from dspark_jax.api import load_draft, load_target
@@ -78,6 +82,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_new_tokens < 1:
         raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -107,7 +113,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     if engine is None:
         engine = engine_for(target, draft, config)
-    batcher = Batcher(engine, len(ids), max_len, seed=seed, proposer=proposer,
+    batcher = Batcher(engine, min(max_num_seqs or len(ids), len(ids)), max_len, seed=seed, proposer=proposer,
                       speculative_length=config.speculative_length, step_costs=config.step_costs,
                       max_num_batched_tokens=config.max_num_batched_tokens)
     reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)

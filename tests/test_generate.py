@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,6 +318,32 @@ def test_speculative_sampling_matches_target_distribution():
 
 # ------------------------------------------------------------------------------------------------
 # requests and stops
+
+
+def test_max_num_seqs_decodes_a_few_at_a_time_with_the_same_tokens(llama_pair, monkeypatch):
+    """`max_num_seqs`: a cache of that many slots, the prompts after the first ones taking a slot
+    as a sequence finishes (speculative rows finish apart: their slots refill one by one)."""
+    gen = importlib.import_module("dspark_jax.generate")      # the module (the package exports the function)
+    target, draft = llama_pair
+    ps = prompts(5, target.cfg.vocab_size, seed=11)
+    slots = []
+
+    class Recorded(gen.Batcher):
+        def __init__(self, engine, max_num_seqs, *a, **kw):
+            slots.append(max_num_seqs)
+            super().__init__(engine, max_num_seqs, *a, **kw)
+
+    monkeypatch.setattr(gen, "Batcher", Recorded)
+    whole = generate(target, None, ps, max_new_tokens=20)
+    spec = generate(target, draft, ps, max_new_tokens=20, max_num_seqs=2)
+    plain = generate(target, None, ps, max_new_tokens=20, max_num_seqs=3)
+    assert slots == [5, 2, 3]
+    same_tokens(whole, spec)
+    same_tokens(whole, plain)
+    assert generate(target, None, ps[:1], max_new_tokens=4, max_num_seqs=8).outputs[0].token_ids == \
+        whole.outputs[0].token_ids[:4] and slots[-1] == 1
+    with pytest.raises(RequestError, match="max_num_seqs"):
+        generate(target, draft, ps, max_num_seqs=0)
 
 
 def test_bad_requests_name_the_field(llama_pair):

@@ -7,6 +7,8 @@ and tests, can import it).
 - `make_engine(target, draft, T)`: the greedy Engine generate() uses for the pair;
 - `step_costs(engine, batch)`: the draft's block pass, a verify of T+1 tokens and a one-token
   step, timed on a fresh cache `context` tokens deep;
+- `run_every_length` / `run_every_prefill`: a benchmark's untimed pass, compiling the programs
+  a later pass may call that this one did not;
 - `CompileClock`: the seconds JAX reports compiling (to take them out of an end-to-end rate).
 """
 
@@ -100,6 +102,24 @@ def run_every_length(eng) -> int:
                 for n in b.lengths:
                     b.run_step(pad, zeros, zeros, 0, 1.0 if sampled else 0.0, 1.0, length=n)
     return len(eng.programs_called) - before
+
+
+def run_every_prefill(eng, widths) -> int:
+    """For every cache geometry `eng`'s batchers have stepped, a prefill on padding rows at every
+    batch bucket up to its slot count and each of `widths` (prompt buckets): continuous batching
+    admits as many prompts as slots have freed, so the prefills of a pass differ from the last
+    one's (a benchmark's untimed pass). Returns the prefill calls made."""
+    from dspark_jax.batcher import Batcher, batch_bucket
+    from dspark_jax.warmup import ProgramShape, call_program
+
+    calls = 0
+    for slots, max_len in sorted({(p.slots, p.max_len) for p in eng.programs_called}):
+        b = Batcher(eng, slots, max_len)
+        for rows in sorted({batch_bucket(n, slots) for n in range(1, slots + 1)}):
+            for width in widths:
+                call_program(b, ProgramShape("prefill", rows, width, True))
+                calls += 1
+    return calls
 
 
 def step_costs(eng, b: int, reps: int = 5, context: int = 100):
