@@ -26,6 +26,16 @@ def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_compilation_cache_per_run(tmp_path_factory: pytest.TempPathFactory):
+    """JAX's persistent compilation cache, shared by the run's workers: modules build the same tiny
+    models, so they compile the same programs, which a later module then loads instead. Set before
+    the worker's first compilation (JAX reads the setting once)."""
+    from dspark_jax import warmup
+
+    warmup.enable_compilation_cache(_run_root(tmp_path_factory) / "xla_cache")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = _run_root(tmp_path_factory)   # the preset's file lock serialises the workers
