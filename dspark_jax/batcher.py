@@ -16,9 +16,7 @@ pool and the slots stay as allocated; the rows carry their slot numbers (`Engine
 
 Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
 measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
-"fixed"`: always T). In a closed batch (`run`, what `generate()` calls) once every request
-is in, from the acceptance of the sequence expected to finish last instead: the batch's time ends
-with it. A bucket whose costs are not known yet is measured when first met
+"fixed"`: always T). A bucket whose costs are not known yet is measured when first met
 (`measure_step_costs`, a few timed steps on padding rows per length), once per host and model;
 the wall time of every step run then corrects those figures (`StepTimes`).
 
@@ -39,7 +37,7 @@ import numpy as np
 
 from dspark_jax.engine import Engine
 from dspark_jax.errors import RequestError
-from dspark_jax.spec_length import SPECULATIVE_LENGTHS, RowAcceptance, StepCosts, candidate_lengths, choose_length
+from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
 from dspark_jax.stats import SpecStats
 
 log = logging.getLogger("dspark_jax")
@@ -62,7 +60,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None       # "stop", "length" or "abort" once finished
     stats: SpecStats | None = None
-    acceptance: RowAcceptance | None = None   # its own acceptance (`Batcher.choose_length`)
     slot: int | None = None
     prefilled: int = 0                     # prompt tokens already in the cache (chunked prefill)
 
@@ -111,7 +108,6 @@ class Batcher:
         self.filling: list[Request] = []
         self.stats = SpecStats(engine.t)                   # cumulative over every request
         self.num_steps = 0                                 # verify/decode steps run
-        self.closed = False                                # no request joins the ones added (`run`)
         self.proposer = proposer
         self._key = jax.random.PRNGKey(seed)
         self._keys: collections.deque[np.ndarray] = collections.deque()
@@ -130,15 +126,12 @@ class Batcher:
         """The lengths steps can verify (what the warm-up compiles)."""
         return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
 
-    def choose_length(self, rows: int, bucket: int | None = None, *, sampled: bool = False,
-                      acceptance: RowAcceptance | None = None) -> int:
+    def choose_length(self, rows: int, bucket: int | None = None, *, sampled: bool = False) -> int:
         """The speculation length of a step over `rows` rows (a batch bucket) whose longest row
         reaches `bucket` positions (`time_bucket`; None: max_len); measures the batch bucket's step
         costs first if they are not known yet. Measured costs are corrected by the steps run so far
         at that length bucket (`StepTimes`); a length is tried to measure it only where its program
-        for this step (`sampled`) has been compiled. `acceptance`: whose acceptance the expected
-        tokens come from (None: the engine's pooled estimate; `_decode` passes the slowest
-        sequence's in a closed batch)."""
+        for this step (`sampled`) has been compiled."""
         if not self.adaptive:
             return self.lengths[0]
         costs = self.step_costs.get(rows, self.lengths)
@@ -152,8 +145,7 @@ class Batcher:
                 called = self.engine.programs_called          # a set built from the held programs
                 uncompiled = [n for n in unseen if self._program_key(rows, n, sampled) not in called]
                 expired = [n for n in unseen if times.expired(rows, bucket, n)]
-        return choose_length(self.engine.acceptance if acceptance is None else acceptance, costs, unseen,
-                             uncompiled=uncompiled, expired=expired)
+        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled, expired=expired)
 
     def _program_key(self, rows: int, length: int | None, sampled: bool, given: int | None = None) -> "StepProgram":
         """The step program a call over `rows` rows verifying `length` drafts (None: T) runs;
@@ -227,7 +219,6 @@ class Batcher:
     def add(self, req: Request) -> None:
         self.check(req)
         req.stats = SpecStats(self.engine.t)
-        req.acceptance = RowAcceptance(self.engine.acceptance) if self.engine.t else None
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
@@ -245,12 +236,8 @@ class Batcher:
         """Add `reqs` and step until every one of them has finished."""
         for r in reqs:
             self.add(r)
-        self.closed = True          # nothing else joins: the batch's time ends with its last sequence
-        try:
-            while any(r.finish_reason is None for r in reqs):
-                self.step()
-        finally:
-            self.closed = False
+        while any(r.finish_reason is None for r in reqs):
+            self.step()
         return list(reqs)
 
     def step(self) -> list[Request]:
@@ -352,12 +339,7 @@ class Batcher:
         temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
         # step times are kept by the positions a speculative step would reach (one key for every length)
         bucket = self.time_bucket(int(lens[:m].max()) + t + 1)
-        # a closed batch with every request in ends when its slowest sequence does: the steps are
-        # chosen for that one's acceptance (a faster one's extra tokens only end it sooner)
-        closing = self.adaptive and self.closed and not self.waiting and not self.filling
-        slowest = self._slowest(slots).acceptance if closing else None
-        length = self.choose_length(len(rows), bucket, sampled=bool((temperature > 0).any()),
-                                    acceptance=slowest) if t else 0
+        length = self.choose_length(len(rows), bucket, sampled=bool((temperature > 0).any())) if t else 0
         started = time.perf_counter()
         drafts = None
         if t and not length:    # no drafts this step: a one-token step (the draft's context rows are still written)
@@ -378,9 +360,7 @@ class Batcher:
                 r.stats.update(int(n[j]), length)
                 self.stats.update(int(n[j]), length)
                 # drafts scored: the length, less what the room left before max_len cut off
-                scored = min(length, self.max_len - int(lens[j]) - 1)
-                self.engine.acceptance.observe(scored, int(n[j]))
-                r.acceptance.observe(scored, int(n[j]))
+                self.engine.acceptance.observe(min(length, self.max_len - int(lens[j]) - 1), int(n[j]))
             new = [int(x) for x in emitted[j, :n[j] + 1]]
             self.lens[i] += n[j] + 1
             self.x0[i] = new[-1]
@@ -394,18 +374,6 @@ class Batcher:
         if t:
             self.engine.step_times.observe(len(rows), bucket, length, time.perf_counter() - started)
         return touched
-
-    def _slowest(self, slots: Sequence[int]) -> Request:
-        """The running request expected to finish last: the most steps left, its tokens left
-        (to `max_new_tokens` or the cache's end) over the tokens a step of T drafts gives it by its
-        own acceptance."""
-        pooled_K = self.engine.acceptance.conditional()
-
-        def steps_left(i: int) -> float:
-            r = self.slots[i]
-            left = min(r.max_new_tokens - len(r.tokens), self.max_len - int(self.lens[i]))
-            return left / (1.0 + float(np.cumprod(r.acceptance.conditional(pooled_K)).sum()))
-        return self.slots[max(slots, key=steps_left)]
 
     def batch_rows(self, slots: Sequence[int]) -> np.ndarray:
         """The slot of each row of a program call over `slots`: them, then padding rows (slot =

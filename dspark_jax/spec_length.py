@@ -10,8 +10,6 @@ steps, never at the target's verdict on the current one, so greedy output stays 
 - `AcceptanceEstimate`: P(draft k accepted | drafts before k were), pooled over every row and
   step of an engine, with a prior so it starts sensibly and keeps an estimate for positions it
   rarely verifies.
-- `RowAcceptance`: the same for one sequence, leaning on the pooled estimate until it has its own
-  counts (a closed batch chooses for its slowest sequence: `Batcher.choose_length`).
 - `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
   (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
@@ -103,22 +101,6 @@ class AcceptanceEstimate:
         """E[drafts accepted] of a step verifying L drafts, for each L in `lengths`."""
         survival = np.concatenate([[0.0], np.cumsum(np.cumprod(self.conditional()))])
         return {int(n): float(survival[n]) for n in lengths}
-
-
-class RowAcceptance(AcceptanceEstimate):
-    """One sequence's own acceptance: its counts, and the engine's pooled estimate (`pooled`) as the
-    prior of every position, worth `strength` tries, so a new sequence starts at the pooled figures
-    and moves to its own as it is verified (`Batcher`: the batch's slowest sequence in a closed
-    batch)."""
-
-    def __init__(self, pooled: AcceptanceEstimate, strength: float = 8.0):
-        super().__init__(pooled.t, strength=strength, window=pooled.window)
-        self.pooled = pooled
-
-    def conditional(self, pooled_K: np.ndarray | None = None) -> np.ndarray:
-        """[T] as `AcceptanceEstimate.conditional`; `pooled_K`: the pooled estimate's, if at hand."""
-        prior = self.pooled.conditional() if pooled_K is None else pooled_K
-        return (self.accepted_K + self.strength * prior) / (self.tried_K + self.strength)
 
 
 class StepCosts:

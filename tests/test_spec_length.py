@@ -15,8 +15,8 @@ from dspark_jax.batcher import Batcher, Request
 from dspark_jax.bench.steps_timing import run_every_length
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, RowAcceptance, StepCosts, StepTimes,
-                                    candidate_lengths, choose_length, costs_for, source_digest)
+from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
+                                    choose_length, costs_for, source_digest)
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -52,62 +52,6 @@ def test_acceptance_estimate_forgets_old_steps_past_its_window():
     for _ in range(300):
         est.observe(1, 0)
     assert est.tried_K[0] <= 100 and est.conditional()[0] < 0.4
-
-
-def test_row_acceptance_starts_at_the_pooled_estimate_and_moves_to_its_own():
-    pooled = AcceptanceEstimate(3)
-    for _ in range(50):
-        pooled.observe(verified=3, accepted=3)
-    row = RowAcceptance(pooled)
-    np.testing.assert_allclose(row.conditional(), pooled.conditional())
-    for _ in range(40):
-        row.observe(verified=3, accepted=0)                     # this sequence's first draft never holds
-    p = row.conditional()
-    assert p[0] == pytest.approx(8 * pooled.conditional()[0] / (40 + 8)) and p[0] < 0.2
-    np.testing.assert_allclose(p[1:], pooled.conditional()[1:])     # never reached: the pooled figures
-    assert row.expected_accepted((3,))[3] < 0.5 < 2.5 < pooled.expected_accepted((3,))[3]
-    for _ in range(50):
-        pooled.observe(verified=3, accepted=0)                  # the prior follows the pooled estimate
-    assert row.conditional()[1] < p[1]
-
-
-def test_a_closed_batch_chooses_for_the_sequence_expected_to_finish_last(monkeypatch):
-    """`run()` (generate's closed batch): once every request is in, the length is chosen from the
-    acceptance of the running sequence with the most steps left, not the pooled one; a batcher fed
-    by `step()` (the server: requests may still come) keeps the pooled estimate."""
-    target = tiny_llama(0)
-    eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=3))
-    # drafts that cost little unless a row accepts next to nothing: the pooled estimate says L = 3,
-    # a sequence that accepts nothing says L = 0
-    costs = StepCosts.of(lambda rows, n: 1.0 + 0.3 * n)
-    b = Batcher(eng, 2, 128, step_costs=costs)
-    for _ in range(100):
-        eng.acceptance.observe(3, 3)
-    fast, slow = Request([5, 6, 7], 40), Request([8, 9], 40)
-    b.add(fast)
-    b.add(slow)
-    b._admit()
-    for _ in range(30):
-        slow.acceptance.observe(3, 0)
-    fast.tokens += [1] * 10                                     # fewer tokens left, and ~4 a step
-    assert b._slowest([fast.slot, slow.slot]) is slow
-    assert b.choose_length(2) == 3
-    assert b.choose_length(2, acceptance=slow.acceptance) == 0 and b.choose_length(2, acceptance=fast.acceptance) == 3
-    seen = []
-
-    def recorded(batcher):
-        choose = batcher.choose_length
-        monkeypatch.setattr(batcher, "choose_length", lambda *a, acceptance=None, **kw: seen.append(acceptance) or
-                            choose(*a, acceptance=acceptance, **kw))
-        return batcher
-
-    recorded(b).step()                                                    # fed by step(): the pooled estimate
-    assert seen == [None]
-    seen.clear()
-    closed = recorded(Batcher(eng, 2, 128, step_costs=costs))
-    reqs = closed.run([Request([5, 6, 7], 12), Request([8, 9], 12)])
-    assert seen and all(a is not None and any(a is r.acceptance for r in reqs) for a in seen)
-    assert not closed.closed and not closed.has_work()
 
 
 def test_choose_length_is_the_brute_force_optimum():
