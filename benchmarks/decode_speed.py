@@ -7,9 +7,10 @@
 Each variant first runs once untimed over the same batches (compiling every program the timed
 rounds meet: for the adaptive variant, every speculation length at every batch bucket up to the
 batch size, as its choices and the buckets of a batch's last steps may differ from one pass to the
-next; it also measures the step costs of a bucket not measured before on the host it runs on). Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s,
-speculative tokens/s with every step verifying T drafts ("fixed"), their ratio (of the
-best rounds, and the median of the ratios within each round), tok/fwd, and the draft's
+next; it also measures the step costs of a bucket not measured before on the host it runs on).
+Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s, speculative
+tokens/s with every step verifying T drafts ("fixed"), their ratio (of the best rounds, and the
+median of the ratios within each round), tok/fwd, and the draft's
 share of a speculative step (the draft's block pass vs the verify that follows it) and the break-even
 tok/fwd (a speculative step's cost over a one-token step's: speculation wins above it), and the
 wall time per decode step inside the compiled step (dispatch + wait) and outside it (prefill, the
