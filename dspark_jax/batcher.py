@@ -464,6 +464,11 @@ def batch_bucket(n: int, num_slots: int) -> int:
     return min(pow2(n), num_slots)
 
 
+def batch_buckets(n: int, num_slots: int) -> list[int]:
+    """The batch buckets of program calls over 1..n sequences, ascending."""
+    return sorted({batch_bucket(k, num_slots) for k in range(1, n + 1)})
+
+
 def chunk_bucket(n: int, budget: int | None) -> int:
     """Width of a prefill call whose longest chunk is n <= budget tokens: its prompt bucket, at
     most the budget (None: no bound)."""

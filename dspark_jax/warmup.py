@@ -37,7 +37,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dspark_jax.batcher import Batcher, batch_bucket, chunk_bucket
+from dspark_jax.batcher import Batcher, batch_buckets, chunk_bucket
 from dspark_jax.programs import memory_mappings
 
 log = logging.getLogger("dspark_jax")
@@ -83,7 +83,7 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
     """Every shape `batcher` can call for greedy requests (and for sampled ones with `sampled`),
     cheapest first (greedy steps first among equals)."""
     slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
-    buckets = sorted({batch_bucket(n, slots) for n in range(1, slots + 1)})
+    buckets = batch_buckets(slots, slots)
     longest_prompt = max_len - t - 1
     budget = batcher.max_num_batched_tokens           # None: whole prompts, any rows
     longest_chunk = longest_prompt if budget is None else min(longest_prompt, budget)
@@ -163,7 +163,7 @@ def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], Non
     rows)` before each bucket. Returns the buckets measured."""
     if not batcher.adaptive or batcher.step_costs.uniform:
         return 0
-    buckets = sorted({batch_bucket(n, batcher.num_slots) for n in range(1, batcher.num_slots + 1)})
+    buckets = batch_buckets(batcher.num_slots, batcher.num_slots)
     todo = [b for b in buckets if batcher.step_costs.get(b, batcher.lengths) is None]
     start = time.perf_counter()
     for i, b in enumerate(todo):

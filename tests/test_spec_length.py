@@ -12,7 +12,7 @@ import pytest
 
 from dspark_jax import warmup
 from dspark_jax.batcher import Batcher, Request
-from dspark_jax.bench.steps_timing import run_every_length
+from dspark_jax.bench.steps_timing import CompileClock, run_every_length, run_every_prefill
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
@@ -211,6 +211,20 @@ def test_untimed_pass_covers_every_batch_bucket_a_tail_can_reach(tmp_path, monke
     table = json.loads(next(tmp_path.glob("*.json")).read_text())["seconds_by_rows_and_length"]
     assert sorted(table) == ["1", "2", "4"] and table["4"] == {"0": 1.0, "1": 1.5}
     assert run_every_length(eng) == 0
+
+
+def test_untimed_pass_compiles_the_prefills_continuous_batching_can_admit():
+    """`run_every_prefill`: a prefill at every batch bucket up to the slots and each prompt bucket
+    given, so a second pass (admissions that differ) compiles nothing."""
+    target = tiny_llama(0)
+    eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=1))
+    b = Batcher(eng, 4, 64)
+    b.run_step(np.full(4, 4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), 0, 0.0, 1.0, length=1)
+    clock = CompileClock()
+    assert run_every_prefill(eng, [16, 32]) == 6                  # rows 1, 2, 4 x two prompt buckets
+    assert clock.seconds > 0
+    clock.reset()
+    assert run_every_prefill(eng, [16, 32]) == 6 and clock.seconds == 0
 
 
 def test_step_costs_environment_settings(monkeypatch):

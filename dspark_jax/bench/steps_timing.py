@@ -85,7 +85,7 @@ def run_every_length(eng) -> int:
     is measured first (`Batcher.choose_length`). Returns the programs run."""
     import numpy as np
 
-    from dspark_jax.batcher import Batcher, batch_bucket
+    from dspark_jax.batcher import Batcher, batch_buckets
 
     shapes: dict[tuple, set] = {}
     for p in list(eng.programs_called):
@@ -93,7 +93,7 @@ def run_every_length(eng) -> int:
     before = len(eng.programs_called)
     for (slots, max_len), met in shapes.items():
         b = Batcher(eng, slots, max_len)
-        buckets = sorted({batch_bucket(n, slots) for n in range(1, max(r for r, _ in met) + 1)})
+        buckets = batch_buckets(max(r for r, _ in met), slots)
         for sampled in sorted({s for _, s in met}):
             for rows in buckets:
                 b.choose_length(rows, sampled=sampled)       # measures the bucket if its costs are unknown
@@ -109,13 +109,13 @@ def run_every_prefill(eng, widths) -> int:
     batch bucket up to its slot count and each of `widths` (prompt buckets): continuous batching
     admits as many prompts as slots have freed, so the prefills of a pass differ from the last
     one's (a benchmark's untimed pass). Returns the prefill calls made."""
-    from dspark_jax.batcher import Batcher, batch_bucket
+    from dspark_jax.batcher import Batcher, batch_buckets
     from dspark_jax.warmup import ProgramShape, call_program
 
     calls = 0
     for slots, max_len in sorted({(p.slots, p.max_len) for p in eng.programs_called}):
         b = Batcher(eng, slots, max_len)
-        for rows in sorted({batch_bucket(n, slots) for n in range(1, slots + 1)}):
+        for rows in batch_buckets(slots, slots):
             for width in widths:
                 call_program(b, ProgramShape("prefill", rows, width, True))
                 calls += 1
