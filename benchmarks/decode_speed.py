@@ -8,6 +8,9 @@ Each variant first runs once untimed over the same batches (compiling every prog
 rounds meet: for the adaptive variant, every speculation length at every batch bucket up to the
 batch size, as its choices and the buckets of a batch's last steps may differ from one pass to the
 next; it also measures the step costs of a bucket not measured before on the host it runs on).
+A timed round then runs each batch (one `generate()` call) under the three variants back to back,
+their order rotating from call to call, so the ratio within a round compares passes seconds apart
+on a machine whose speed drifts over minutes.
 Prints the CPU (model, cores, bf16 flags) and, per batch size: plain tokens/s, speculative
 tokens/s with every step verifying T drafts ("fixed"), their ratio (of the best rounds, and the
 median of the ratios within each round), tok/fwd, and the draft's
@@ -129,45 +132,58 @@ def main(argv):
             continue
         # "speculative": every step verifies T drafts; "adaptive": the library's default length choice
         variants = [("plain", None, "fixed"), ("speculative", draft, "fixed"), ("adaptive", draft, "adaptive")]
-        # rounds alternate the variants (a slow spell of the machine hits all of them); each
-        # variant's best round is reported
         batches = [prompts] if _CONTINUOUS.value else [prompts[i:i + b] for i in range(0, len(prompts), b)]
         row["batching"] = "continuous" if _CONTINUOUS.value else "fixed"
-        for rnd, (name, d, length) in ((r, v) for r in range(_ROUNDS.value) for v in variants):
-            run = lambda ps: generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
-                                      speculative_length=length, max_num_seqs=b)
-            if rnd == 0:                   # an untimed pass over the same batches compiles every
-                for ps in batches:         # program the timed rounds meet
-                    run(ps)
-                if length == "adaptive":   # and every length at every bucket: the timed rounds
-                    run_every_length(eng)  # may choose other lengths, their tails other buckets
-                if _CONTINUOUS.value:      # and prompts admitted a few at a time, as slots free up
-                    run_every_prefill(make_engine(target, d, _T.value if d is not None else 0), widths)
-            produced, elapsed, stats = 0, 0.0, None
-            clock.reset()
-            steps.reset()
-            for ps in batches:
-                res, dt = _timed(lambda: run(ps))
-                produced += sum(len(o.token_ids) for o in res.outputs)
-                elapsed += dt
-                stats = res.stats if stats is None else _merge(stats, res.stats)
-            comp = min(clock.seconds, elapsed)
-            row.setdefault(f"{name}_tokens_per_s_by_round", []).append(produced / elapsed)
-            row.setdefault(f"{name}_compile_s_by_round", []).append(comp)
-            if rnd and produced / elapsed <= row[f"{name}_tokens_per_s"]:
-                continue
-            row[f"{name}_tokens_per_s"] = produced / elapsed
-            row[f"{name}_compile_s"] = comp
-            row[f"{name}_tokens_per_s_compiled"] = produced / max(elapsed - comp, 1e-9)
-            # where the wall time went: the decode steps (a compiling step included) and the rest
-            row[f"{name}_steps"] = steps.steps
-            row[f"{name}_ms_per_step"] = 1e3 * steps.seconds / max(steps.steps, 1)
-            row[f"{name}_ms_per_step_outside"] = 1e3 * (elapsed - steps.seconds) / max(steps.steps, 1)
-            if d is not None:
-                row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
-                row[f"{name}_drafts_verified_per_step"] = (stats["total_draft_tokens"]
-                                                           / max(stats["num_verify_steps"], 1))
-                row[f"{name}_length_counts"] = stats["verify_length_counts"]
+
+        def run(ps, d, length):
+            return generate(target, d, ps, max_new_tokens=_NEW.value, num_speculative_tokens=_T.value,
+                            speculative_length=length, max_num_seqs=b)
+
+        for name, d, length in variants:   # an untimed pass over the same batches compiles every
+            for ps in batches:             # program the timed rounds meet
+                run(ps, d, length)
+            if length == "adaptive":       # and every length at every bucket: the timed rounds
+                run_every_length(eng)      # may choose other lengths, their tails other buckets
+            if _CONTINUOUS.value:          # and prompts admitted a few at a time, as slots free up
+                run_every_prefill(make_engine(target, d, _T.value if d is not None else 0), widths)
+        for rnd in range(_ROUNDS.value):
+            # a round runs each batch under every variant back to back (seconds apart, so a slow
+            # spell of the machine hits them alike), the variants' order rotating from one call to
+            # the next; each variant's best round is reported
+            tally = {name: {"produced": 0, "elapsed": 0.0, "compile": 0.0, "steps": 0, "step_s": 0.0,
+                            "stats": None} for name, _, _ in variants}
+            for i, ps in enumerate(batches):
+                k = (rnd + i) % len(variants)
+                for name, d, length in variants[k:] + variants[:k]:
+                    clock.reset()
+                    steps.reset()
+                    res, dt = _timed(lambda: run(ps, d, length))
+                    acc = tally[name]
+                    acc["produced"] += sum(len(o.token_ids) for o in res.outputs)
+                    acc["elapsed"] += dt
+                    acc["compile"] += min(clock.seconds, dt)
+                    acc["steps"] += steps.steps
+                    acc["step_s"] += steps.seconds
+                    acc["stats"] = res.stats if acc["stats"] is None else _merge(acc["stats"], res.stats)
+            for name, d, _ in variants:
+                acc = tally[name]
+                produced, elapsed, comp, stats = acc["produced"], acc["elapsed"], acc["compile"], acc["stats"]
+                row.setdefault(f"{name}_tokens_per_s_by_round", []).append(produced / elapsed)
+                row.setdefault(f"{name}_compile_s_by_round", []).append(comp)
+                if rnd and produced / elapsed <= row[f"{name}_tokens_per_s"]:
+                    continue
+                row[f"{name}_tokens_per_s"] = produced / elapsed
+                row[f"{name}_compile_s"] = comp
+                row[f"{name}_tokens_per_s_compiled"] = produced / max(elapsed - comp, 1e-9)
+                # where the wall time went: the decode steps (a compiling step included) and the rest
+                row[f"{name}_steps"] = acc["steps"]
+                row[f"{name}_ms_per_step"] = 1e3 * acc["step_s"] / max(acc["steps"], 1)
+                row[f"{name}_ms_per_step_outside"] = 1e3 * (elapsed - acc["step_s"]) / max(acc["steps"], 1)
+                if d is not None:
+                    row[f"{name}_tok_per_fwd"] = stats["average_tokens_per_forward"]
+                    row[f"{name}_drafts_verified_per_step"] = (stats["total_draft_tokens"]
+                                                               / max(stats["num_verify_steps"], 1))
+                    row[f"{name}_length_counts"] = stats["verify_length_counts"]
         row["speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         # a virtual machine's speed can drift by tens of percent within minutes, and the best rounds
         # of two variants may come from different spells: the ratio within each round (the variants
