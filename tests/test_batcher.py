@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.batcher import Batcher, Request
+from dspark_jax.batcher import PREFILL_CALL_TOKENS, Batcher, Request, batch_bucket, prefill_bucket, prefill_groups
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
 from dspark_jax.generate import engine_for, eos_ids
@@ -300,3 +300,59 @@ def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
         assert [r.tokens for r in greedy] == want
     finally:
         del eng.step
+
+
+def test_prefill_groups_pad_less_than_one_call_and_cover_every_prompt():
+    """`prefill_groups` splits whole prompts into calls that each pad to their longest prompt's
+    bucket and to a batch bucket: every prompt in exactly one call, longest first, and never more
+    padded tokens (plus the per-call charge) than one call over all of them."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        slots = int(rng.choice([1, 3, 8, 16]))
+        lengths = [int(x) for x in rng.integers(1, 600, rng.integers(1, slots + 1))]
+        groups = prefill_groups(lengths, slots)
+        flat = [i for g in groups for i in g]
+        assert sorted(flat) == list(range(len(lengths)))
+        assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+
+        def cost(gs):
+            return sum(batch_bucket(len(g), slots) * prefill_bucket(max(lengths[i] for i in g)) + PREFILL_CALL_TOKENS
+                       for g in gs)
+        assert cost(groups) <= cost([list(range(len(lengths)))])
+    # one long prompt beside short ones goes in alone; prompts of one bucket and a full batch
+    # bucket share a call
+    assert prefill_groups([300, 20, 18, 30], 4) == [[0], [3, 1, 2]]
+    assert prefill_groups([100, 90, 70, 80], 4) == [[0, 1, 3, 2]]
+
+
+def test_whole_prompts_go_in_at_one_step_in_calls_by_length(llama):
+    """Without a token budget (generate()), one step prefills every admitted prompt, in the calls
+    `prefill_groups` chose (a long prompt alone, the short ones together), and each request then
+    decodes what it decodes alone."""
+    target, engines = llama
+    eng = engines[T]
+    eos = _eos(target)
+    ps = [prompts(1, target.cfg.vocab_size, seed=31, lo=60, hi=61)[0]] + prompts(3, target.cfg.vocab_size, seed=32,
+                                                                                     lo=4, hi=12)
+    want = [_solo(engines[0], p, 10, eos) for p in ps]
+    shapes = []
+    prefill = eng.prefill
+
+    def spy(tokens_PS, *a, **kw):
+        shapes.append(tokens_PS.shape)
+        return prefill(tokens_PS, *a, **kw)
+
+    eng.prefill = spy
+    try:
+        b = Batcher(eng, 4, MAX_LEN)
+        reqs = [Request(p, 10, eos_ids=eos) for p in ps]
+        for r in reqs:
+            b.add(r)
+        b.step()
+        assert all(r.tokens for r in reqs) and not b.filling
+        assert shapes == [(1, 64), (4, 16)]
+        while b.has_work():
+            b.step()
+    finally:
+        del eng.prefill
+    assert [r.tokens for r in reqs] == want
