@@ -170,6 +170,9 @@ def main(argv):
                 produced, elapsed, comp, stats = acc["produced"], acc["elapsed"], acc["compile"], acc["stats"]
                 row.setdefault(f"{name}_tokens_per_s_by_round", []).append(produced / elapsed)
                 row.setdefault(f"{name}_compile_s_by_round", []).append(comp)
+                row.setdefault(f"{name}_steps_by_round", []).append(acc["steps"])
+                if d is not None:
+                    row.setdefault(f"{name}_length_counts_by_round", []).append(stats["verify_length_counts"])
                 if rnd and produced / elapsed <= row[f"{name}_tokens_per_s"]:
                     continue
                 row[f"{name}_tokens_per_s"] = produced / elapsed
