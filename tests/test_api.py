@@ -47,3 +47,18 @@ def test_load_draft_defaults_to_auto(tmp_path):
     default = load_draft(path).context_proj.weight.get_value().dtype
     assert default == (jnp.bfloat16 if _auto_is_bf16() else jnp.float32)
     assert load_draft(path, dtype="checkpoint").context_proj.weight.get_value().dtype == jnp.float32
+
+
+def test_a_cpu_model_without_a_number_is_told_apart_by_family_and_model():
+    """Virtual machines often report "AMD EPYC" for parts of different generations: the step-cost
+    tables are keyed by this description, so it carries the family and model numbers there."""
+    from dspark_jax.hostinfo import parse_cpuinfo
+
+    guest = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx512_bf16 avx2\n"
+    assert parse_cpuinfo(guest) == ("AMD EPYC (family 26, model 2)", ("avx512_bf16",))
+    assert parse_cpuinfo(guest.replace(": 26", ": 25"))[0] == "AMD EPYC (family 25, model 2)"
+    named = "model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\ncpu family\t: 6\nmodel\t\t: 143\n" \
+            "flags\t\t: amx_tile amx_bf16 avx512_bf16\n"
+    assert parse_cpuinfo(named) == ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", ("avx512_bf16", "amx_bf16",
+                                                                                      "amx_tile"))
+    assert parse_cpuinfo("") == ("unknown CPU", ())
