@@ -493,12 +493,18 @@ def prefill_groups(lengths: Sequence[int], num_slots: int) -> list[list[int]]:
     equals)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n = len(order)
-    # best[i]: (cost, end of the first call) of the calls over order[i:], each padded to its longest prompt
+    # best[i]: (cost, end of the first call) of the calls over order[i:], each padded to its longest
+    # prompt. The rest costs no more the fewer prompts it holds, so a first call takes as many as its
+    # batch bucket holds: its ends to try are i + 1, 2, 4, ... rows (and the last prompt, the slots).
     best = [(0, n)] * (n + 1)
     for i in range(n - 1, -1, -1):
         width = prefill_bucket(lengths[order[i]])
+        ends, rows = {n, min(i + num_slots, n)}, 1
+        while rows < min(num_slots, n - i):
+            ends.add(i + rows)
+            rows *= 2
         best[i] = min(((batch_bucket(j - i, num_slots) * width + PREFILL_CALL_TOKENS + best[j][0], j)
-                       for j in range(i + 1, n + 1)), key=lambda c: (c[0], -c[1]))
+                       for j in ends if j - i <= num_slots), key=lambda c: (c[0], -c[1]))
     groups, i = [], 0
     while i < n:
         groups.append(order[i:best[i][1]])

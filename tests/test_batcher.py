@@ -319,6 +319,13 @@ def test_prefill_groups_pad_less_than_one_call_and_cover_every_prompt():
             return sum(batch_bucket(len(g), slots) * prefill_bucket(max(lengths[i] for i in g)) + PREFILL_CALL_TOKENS
                        for g in gs)
         assert cost(groups) <= cost([list(range(len(lengths)))])
+        # the fewest padded tokens over every split of the sorted prompts into consecutive calls
+        srt = sorted(lengths, reverse=True)
+        least = [0.0] + [float("inf")] * len(srt)          # least[k]: the first k prompts
+        for k in range(1, len(srt) + 1):
+            least[k] = min(least[j] + batch_bucket(k - j, slots) * prefill_bucket(srt[j]) + PREFILL_CALL_TOKENS
+                           for j in range(k))
+        assert cost(groups) == least[-1]
     # one long prompt beside short ones goes in alone; prompts of one bucket and a full batch
     # bucket share a call
     assert prefill_groups([300, 20, 18, 30], 4) == [[0], [3, 1, 2]]
