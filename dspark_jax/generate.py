@@ -64,7 +64,8 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     instead of measured ones. Output is the same either way.
     `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
     by chunk, between the decode steps of those already in; output is unchanged); None (the
-    default): every prompt whole, all in one prefill (the server's default is 2048).
+    default): every prompt whole, all before the first decode step, in calls of prompts of like
+    length (`batcher.prefill_groups`; the server's default is 2048).
     `max_num_seqs`: sequences decoded at once (cache slots); a prompt waits for a slot, taken as
     soon as a sequence finishes (continuous batching, as the server does), so a cache for this
     many sequences is allocated rather than one for every prompt. None (the default): all prompts at once.
