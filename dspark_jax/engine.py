@@ -5,10 +5,9 @@
   earlier chunks wrote), the first token sampled, the draft's context rows written.
 - `propose`: the draft's block pass alone (profiling times it apart).
 - `step`: propose T drafts (or take given ones), verify `[x0, d_1..d_L]` in one target forward
-  (L = `width`, T by default; the block always runs whole through the draft's layers, its attention
-  being bidirectional, and the draft's lm_head on its first L rows),
-  accept, commit the KDA snapshot of the last accepted token, write the verified tokens' draft
-  context rows. Drafts of width 0 are a plain one-token step through the same program.
+  (L = `width`, T by default: the draft's block is then L rows, as at T = L), accept, commit
+  the KDA snapshot of the last accepted token, write the verified tokens' draft context rows.
+  Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
 static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.programs`:
@@ -318,11 +317,9 @@ class Engine:
         so a step computes the running sequences only, padded to a batch bucket; None: row b is
         slot b, over every slot. `given_drafts_BT` (their width is the step's L) replaces the
         draft model's block pass: an external proposer's drafts (greedy only), or none (width 0:
-        a one-token step). `width`: drafts verified from the draft's block (None: all T); the
-        block runs whole through the draft's layers either way (its rows attend to each other, so
-        a narrower block would draft other tokens), its lm_head on the first `width` rows.
-        `sampled`: some rows sample (at their `temperature_B` /
-        `top_p_B`; rows at temperature 0 stay greedy); False: every row is greedy."""
+        a one-token step). `width`: drafts verified from the draft's block (None: all T), drafted
+        by a block of that many rows (`steps.draft_block`). `sampled`: some rows sample (at their
+        `temperature_B` / `top_p_B`; rows at temperature 0 stay greedy); False: every row is greedy."""
         target, draft = self.merge(t_state, d_state)
         full_table, full_kda = caches.pool.block_table, caches.kda
         caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B)),

@@ -17,16 +17,14 @@ _UNROLL_MARKOV = True
 
 
 def markov_draft(draft, base_BTV: jax.Array, x0_B: jax.Array, temperature=0.0, top_p=1.0,
-                 key: jax.Array | None = None, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The Markov head, left to right: logits_k = base_k + W1[prev_k] W2^T (fp32; float64 under
     x64), d_{k+1} drawn from them (argmax at temperature 0; numbers or per-row arrays, as in
     `sample_tokens`), prev_{k+1} = d_{k+1}. Returns drafts as target ids and the biased logits
     over the draft vocabulary [B,T,K] (K = V unless reduced: the drawn draft index is mapped to
-    its target id, which is also the next previous token). `block`: the length of the block these
-    are the first rows of (None: these rows): position k draws with the k-th of `block` keys, so the
-    first drafts of a block do not depend on how many are drafted."""
+    its target id, which is also the next previous token)."""
     t = base_BTV.shape[1]
-    keys = jax.random.split(key, block or t)[:t] if key is not None else jnp.zeros((t, 2), jnp.uint32)
+    keys = jax.random.split(key, t) if key is not None else jnp.zeros((t, 2), jnp.uint32)
 
     def step(prev_B, xs):
         base_BV, k = xs

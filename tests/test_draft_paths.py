@@ -83,31 +83,34 @@ def test_draft_logit_precision_is_float32_for_a_bf16_draft():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_narrower_draft_width_gives_the_whole_blocks_first_drafts():
-    """`draft_block(width=w)` runs the lm_head and Markov head on the first w rows only: its drafts
-    and pool are the whole block's first w, its logits and confidence equal up to float64
-    rounding, greedy and sampled (same key)."""
-    with x64():
-        target = _as_float64(tiny_llama(seed=3))
-        draft = _as_float64(tiny_draft(target, seed=4, layer_ids=(0, 2)))
-        s = 11
-        ids_BS = jnp.asarray(np.random.default_rng(6).integers(0, target.cfg.vocab_size - 1, (2, s)), jnp.int32)
-        out = target.forward(ids_BS, draft.cfg.target_layer_ids)
-        embed, head = embed_and_head(target)
-        rows = target.attention_rows
-        pool = PagedPool.create(rows + draft.cfg.num_hidden_layers, 2, 32, 4, draft.cfg.kv_latent_dim, jnp.float64)
-        positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
-        pool = steps.draft_context(draft, out.aux_hidden, positions_BS, jnp.ones((2, s), bool), pool, rows)
-        anchor_B, pos_B = ids_BS[:, -1], jnp.asarray([s - 1, s - 1], jnp.int32)
-        for kw in ({}, {"temperature": jnp.asarray([3.0, 8.0]), "top_p": jnp.asarray([0.9, 1.0]),
-                        "key": jax.random.PRNGKey(1)}):
-            whole = steps.draft_block(draft, embed, head, anchor_B, pos_B, pool, rows, T, **kw)
-            for width in (1, 2, T):
-                part = steps.draft_block(draft, embed, head, anchor_B, pos_B, pool, rows, T, width=width, **kw)
-                assert part.tokens_BT.shape == (2, width)
-                np.testing.assert_array_equal(np.asarray(part.tokens_BT), np.asarray(whole.tokens_BT[:, :width]))
-                # the same rows in a product of another shape: equal up to float64 rounding
-                assert_close(np.asarray(part.logits_BTV), np.asarray(whole.logits_BTV[:, :width]), "draft logits")
-                assert_close(np.asarray(part.confidence_BT), np.asarray(whole.confidence_BT[:, :width]),
-                             "confidence")
-                np.testing.assert_array_equal(np.asarray(part.pool.pages), np.asarray(whole.pool.pages))
+def test_a_narrower_width_is_the_step_of_a_draft_run_at_that_t():
+    """A step verifying `width` = w < T drafts runs the draft's block at w rows: it emits, accepts
+    and writes what a step of an engine at T = w does, greedy and sampled (same key), and its
+    block rows are not the T-row block's (the block's attention is bidirectional)."""
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine_config import EngineConfig
+
+    target = tiny_llama(seed=3)
+    draft = tiny_draft(target, seed=4, layer_ids=(0, 2))
+    engines = {t: Engine(target, draft, EngineConfig(num_speculative_tokens=t)) for t in (1, 2, T)}
+    b, s, max_len = 2, 11, 64
+    ids_BS = np.random.default_rng(6).integers(0, target.cfg.vocab_size - 1, (b, s)).astype(np.int32)
+    lens_B, active_B, key = np.full(b, s, np.int32), np.ones(b, bool), jax.random.PRNGKey(1)
+
+    def prefilled(eng):
+        caches = eng.new_caches(b, max_len)
+        first, caches = eng.prefill(ids_BS, lens_B, np.arange(b, dtype=np.int32), caches, key)
+        return np.asarray(first), caches
+
+    x0_B, _ = prefilled(engines[T])
+    for kw in ({}, {"temperature": np.asarray([3.0, 8.0], np.float32), "top_p": np.asarray([0.9, 1.0], np.float32)}):
+        whole = engines[T].step(x0_B, lens_B, active_B, np.int32(max_len), prefilled(engines[T])[1], key, **kw)
+        for w in (1, 2):
+            part = engines[T].step(x0_B, lens_B, active_B, np.int32(max_len), prefilled(engines[T])[1], key,
+                                   width=w, **kw)
+            alone = engines[w].step(x0_B, lens_B, active_B, np.int32(max_len), prefilled(engines[w])[1], key, **kw)
+            assert part[1].shape == alone[1].shape == (b, w + 1)
+            for got, want in zip(jax.tree.leaves(part), jax.tree.leaves(alone)):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            # the draft's pool rows of the block differ from the T-row block's
+            assert not np.array_equal(np.asarray(part[2].pool.pages), np.asarray(whole[2].pool.pages))

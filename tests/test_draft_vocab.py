@@ -222,6 +222,18 @@ def test_lossless_greedy_with_reduced_vocab(family):
     assert np.all(np.isneginf(np.asarray(logits)[..., outside]))
 
 
+def test_draft_logits_over_the_target_vocabulary_are_minus_inf_outside_the_kept_set():
+    """`scatter_to_target`: draft index k's logit lands at its target id, -inf elsewhere, over any
+    leading dimensions (what rejection sampling reads as the draft's distribution)."""
+    target = tiny_llama(0)
+    kept = _kept(96, 40, 3)
+    draft = tiny_draft(target, 1, kept_ids=kept)
+    logits = np.random.default_rng(2).normal(size=(2, 3, kept.size)).astype(np.float32)
+    want = np.full((2, 3, 96), -np.inf, np.float32)
+    want[..., kept] = logits
+    np.testing.assert_array_equal(np.asarray(draft.scatter_to_target(jnp.asarray(logits))), want)
+
+
 def test_accept_sampling_with_zero_draft_mass_outside_the_kept_set():
     """The rejection sampler with q = 0 outside a kept set (-inf draft logits), drafts drawn from
     q: the emitted token at each position is distributed as p (chi-square, N=40000, alpha=1e-3).

@@ -207,11 +207,13 @@ class K3DSparkModel(nnx.Module):
     def scatter_to_target(self, logits_XK: jax.Array) -> jax.Array:
         """Draft-vocab logits [..., K] -> [..., V] with -inf outside the kept set (zero probability:
         the distribution that produced the drafts, over target ids, for rejection sampling)."""
-        ids = self.draft_token_ids()
-        if ids is None:
+        if self.d2t is None:
             return logits_XK
-        out = jnp.full(logits_XK.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, logits_XK.dtype)
-        return out.at[..., ids].set(logits_XK)
+        # a gather from [..., K+1] (the last column -inf): XLA:CPU runs the scatter `.at[..., ids].set`
+        # element by element (39 ms of a 62 ms block pass at 16 rows x 7 drafts)
+        index_V = self.to_draft_index(jnp.arange(self.cfg.vocab_size, dtype=jnp.int32))
+        outside = jnp.full(logits_XK.shape[:-1] + (1,), -jnp.inf, logits_XK.dtype)
+        return jnp.take(jnp.concatenate([logits_XK, outside], -1), index_V, axis=-1)
 
     def base_logits(self, h_XD: jax.Array, lm_head_VD: jax.Array) -> jax.Array:
         """The target's lm_head on the draft's hidden states [..., D] -> [..., K] (K = V unless the
