@@ -86,7 +86,7 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
     `width`: drafts wanted (None: all T), from a block of that many rows `[x0, M x (width-1)]`,
     what a draft run at T = width drafts: the block's attention is bidirectional, so these are
     not the T-row block's first drafts, but they are accepted as often (demo pair, GSM8K: P(first
-    draft accepted) 0.687 from one row, 0.672 from seven; docs/profile.md) and the rows left
+    draft accepted) 0.683 from one row, 0.658 from seven; docs/profile.md) and the rows left
     out cost a pass through the draft's layers each."""
     cfg = draft.cfg
     num_tokens = num_tokens if width is None else width
