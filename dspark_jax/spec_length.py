@@ -53,6 +53,11 @@ SPECULATIVE_LENGTHS = ("adaptive", "fixed")
 # a length whose cost is only estimated is tried when its expected rate is within this factor of
 # the best one's (a length far behind is not worth the steps to find out)
 EXPLORE_MARGIN = 0.85
+# a step verifies drafts only when that is expected to beat a one-token step by this factor: the
+# expected rates carry the noise of in-loop times on a machine whose speed drifts, and a batch
+# that must finish (`generate()`) waits for its slowest row, which gains less than the pooled
+# acceptance says; at a near tie, one-token steps are the safe side
+GAIN_MARGIN = 1.05
 
 
 def candidate_lengths(t: int) -> tuple[int, ...]:
@@ -264,11 +269,12 @@ def source_digest() -> str:
 
 
 def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unseen=(),
-                  margin: float = EXPLORE_MARGIN, *, uncompiled=(), expired=()) -> int:
+                  margin: float = EXPLORE_MARGIN, *, uncompiled=(), expired=(), gain: float = GAIN_MARGIN) -> int:
     """The length of highest expected tokens per second, (1 + E[accepted | L]) / c(L) (the rows
-    are the same for every L); the shorter one among equals. Among `unseen` lengths (costs only
-    estimated), the best one within `margin` of the best rate goes first: running it measures it,
-    unless it is `uncompiled` (no program for this step's shape yet: not compiled to explore).
+    are the same for every L); the shorter one among equals; L = 0 unless the best rate is `gain`
+    times L = 0's or more. Among `unseen` lengths (costs only estimated), the best one within
+    `margin` of the best rate goes first: running it measures it, unless it is `uncompiled` (no
+    program for this step's shape yet: not compiled to explore).
     L = 0 is tried whatever its estimate unless it is among the `expired` (measured before, its
     figures too old to count: then it must come within the margin like the others): a one-token
     step is what decoding without a draft costs, the bar every other length is chosen against,
@@ -277,6 +283,8 @@ def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unsee
     expected = acceptance.expected_accepted(costs)
     rate = {n: (1.0 + expected[n]) / costs[n] for n in costs}
     best = max(costs, key=lambda n: (rate[n], -n))
+    if 0 in rate and rate[best] < gain * rate[0]:
+        best = 0
     trial = [n for n in unseen if n != best and n not in uncompiled
              and ((n == 0 and n not in expired) or rate[n] >= margin * rate[best])]
     return max(trial, key=lambda n: (rate[n], -n)) if trial else best

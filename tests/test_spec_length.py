@@ -15,8 +15,8 @@ from dspark_jax.batcher import Batcher, Request
 from dspark_jax.bench.steps_timing import CompileClock, run_every_length, run_every_prefill
 from dspark_jax.engine import Engine
 from dspark_jax.engine_config import EngineConfig
-from dspark_jax.spec_length import (ENV_COSTS, AcceptanceEstimate, StepCosts, StepTimes, candidate_lengths,
-                                    choose_length, costs_for, source_digest)
+from dspark_jax.spec_length import (ENV_COSTS, GAIN_MARGIN, AcceptanceEstimate, StepCosts, StepTimes,
+                                    candidate_lengths, choose_length, costs_for, source_digest)
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -63,13 +63,25 @@ def test_choose_length_is_the_brute_force_optimum():
             v = int(rng.choice(lengths[1:]))
             est.observe(v, int(rng.integers(0, v + 1)))
         costs = {n: 1.0 + float(rng.uniform(0, 0.5)) * n ** float(rng.uniform(0.5, 1.5)) for n in lengths}
-        got = choose_length(est, costs)
+        got = choose_length(est, costs, gain=1.0)
         e = est.expected_accepted(lengths)
         best = max((1 + e[n]) / costs[n] for n in lengths)
         assert (1 + e[got]) / costs[got] == pytest.approx(best, rel=1e-12)
     est = AcceptanceEstimate(7)
     assert choose_length(est, dict.fromkeys(lengths, 1.0)) == 7                 # free drafts: all of them
     assert choose_length(est, {n: 1.0 + n for n in lengths}) == 0                # dear drafts: none
+
+
+def test_choose_length_speculates_only_when_it_beats_a_one_token_step_by_the_margin():
+    est = AcceptanceEstimate(7, prior=0.5)          # E[accepted | L] = 0.5, 0.875, 0.992 for L = 1, 3, 7
+    costs = {0: 1.0, 1: 1.4, 3: 2.0, 7: 4.0}       # rates 1.0, 1.071, 0.938, 0.498
+    assert GAIN_MARGIN == 1.05 and choose_length(est, costs) == 1
+    assert choose_length(est, costs, gain=1.08) == 0                  # 1.071 < 1.08 x 1.0
+    assert choose_length(est, {0: 1.0, 1: 1.45, 3: 2.0, 7: 4.0}) == 0       # 1.034: within the margin
+    assert choose_length(est, {0: 1.0, 1: 1.45, 3: 2.0, 7: 4.0}, gain=1.0) == 1
+    # a length only estimated still runs to be measured when it comes within the exploration margin
+    assert choose_length(est, {0: 1.0, 1: 1.45, 3: 2.0, 7: 4.0}, unseen=(1,)) == 1
+    assert choose_length(est, {1: 1.45, 3: 2.0}) == 1                 # no one-token step among them: the best
 
 
 def test_choose_length_first_runs_an_unmeasured_length_close_to_the_best():
