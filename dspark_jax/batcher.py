@@ -135,6 +135,8 @@ class Batcher:
         for this step (`sampled`) has been compiled."""
         if not self.adaptive:
             return self.lengths[0]
+        if self.step_costs.uniform:          # every length costs the same: all the drafts
+            return max(self.lengths)
         costs = self.step_costs.get(rows, self.lengths)
         if costs is None:
             costs = self.measure_step_costs(rows)
