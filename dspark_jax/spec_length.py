@@ -22,10 +22,10 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   medians replace the table's figures, and the table, scaled by what was observed beside it,
   stands in for a length not run yet at that bucket. Observed figures expire after a few hundred
   steps, so a length is measured again now and then.
-- `choose_length`: the argmax; a length not observed yet whose estimate comes within
-  `EXPLORE_MARGIN` of the best is tried first, so its estimate is replaced by a measurement, if
-  its program for the step's shape is compiled already: a compilation (seconds) costs more than
-  the few steps a trial measures are worth.
+- `choose_length`: the argmax, a one-token step unless it wins by `GAIN_MARGIN`; a length not
+  observed yet whose estimate comes within `EXPLORE_MARGIN` of the best is tried first, so its
+  estimate is replaced by a measurement, if its program for the step's shape is compiled
+  already: a compilation (seconds) costs more than the few steps a trial measures are worth.
 
 `$DSPARK_STEP_COSTS` overrides where the tables live: a directory, "off" (measure, keep in memory
 only) or "uniform" (assume every L costs the same as a one-token step: L is always T; what a
