@@ -133,10 +133,9 @@ class Batcher:
         costs first if they are not known yet. Measured costs are corrected by the steps run so far
         at that length bucket (`StepTimes`); a length is tried to measure it only where its program
         for this step (`sampled`) has been compiled."""
-        if not self.adaptive:
-            return self.lengths[0]
-        if self.step_costs.uniform:          # every length costs the same: all the drafts
-            return max(self.lengths)
+        reachable = self.reachable_lengths()
+        if len(reachable) == 1:              # a fixed length, or uniform costs: all the drafts
+            return reachable[0]
         costs = self.step_costs.get(rows, self.lengths)
         if costs is None:
             costs = self.measure_step_costs(rows)
