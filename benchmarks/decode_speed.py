@@ -45,8 +45,15 @@ from pathlib import Path
 
 from absl import app, flags
 
-from dspark_jax.bench.steps_timing import (CompileClock, StepClock, make_engine, random_target, run_every_length,
-                                           run_every_prefill, step_costs)
+from dspark_jax.bench.steps_timing import (
+    CompileClock,
+    StepClock,
+    make_engine,
+    random_target,
+    run_every_length,
+    run_every_prefill,
+    step_costs,
+)
 from dspark_jax.serving import pair_flags
 
 _MODEL = pair_flags.define_model("smollm2-135m")
@@ -82,9 +89,9 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
-    from dspark_jax.batcher import prefill_bucket
     from dspark_jax.data.eval_sets import load_gsm8k
-    from dspark_jax.generate import encode_prompt, tokenizer_for
+    from dspark_jax.decode.buckets import prefill_bucket
+    from dspark_jax.decode.requests import encode_prompt, tokenizer_for
     from dspark_jax.serving.pair import load_draft_spec
 
     pair_flags.require_one_device("benchmarks.decode_speed")

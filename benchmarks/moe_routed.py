@@ -28,7 +28,7 @@ from flax import nnx
 
 from dspark_jax.config import KimiConfig, load_config
 from dspark_jax.layers.moe import MoE, route
-from dspark_jax.plan import resolve_config_path
+from dspark_jax.plan.serving import resolve_config_path
 
 _TOKENS = flags.DEFINE_integer("tokens", 1024, "tokens of one layer call")
 _TOP_K = flags.DEFINE_integer("top_k", 2, "experts per token")

@@ -51,12 +51,13 @@ def main(argv):
     from dspark_jax.api import load_target
     from dspark_jax.bench.steps_timing import CompileClock
     from dspark_jax.checkpoint.draft_io import load_draft
+    from dspark_jax.data import answer_cache
     from dspark_jax.presets import resolve_model_path
     from dspark_jax.train import regen, teacher
     from dspark_jax.train import trainer as trainer_lib
     from dspark_jax.train.loss import LossConfig
 
-    rows = regen.read_cache(_DATA.value)
+    rows = answer_cache.read_cache(_DATA.value)
     samples = list(regen.samples_from_cache(rows, max_len=_MAX_LEN.value))
     mean_len = float(np.mean([len(s.input_ids) for s in samples]))
     n = -(-_N.value // _GLOBAL.value) * _GLOBAL.value

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 FP8 = jnp.float8_e4m3fn
@@ -184,11 +183,3 @@ class TargetCaches(NamedTuple):
     pool: PagedPool                  # attention rows (target attention layers, then draft layers)
     kda: KDAStates | None            # linear-attention states (kimi family only)
 
-
-def fp8_round_trip(x: jax.Array) -> jax.Array:
-    """What a value looks like after a trip through fp8 storage (used by references/tests)."""
-    return (x.astype(jnp.float32) / FP8_SCALE).astype(FP8).astype(jnp.float32) * FP8_SCALE
-
-
-def fp8_numpy(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)

@@ -93,12 +93,3 @@ def flat_params(module_or_state) -> dict[str, nnx.Param]:
 def logical_axes(p: nnx.Param) -> tuple[str | None, ...]:
     return tuple(p.get_metadata().get("axes", (None,) * len(p.get_value().shape)))
 
-
-def count_params(module_or_state) -> int:
-    total = 0
-    for p in flat_params(module_or_state).values():
-        n = 1
-        for s in p.get_value().shape:
-            n *= s
-        total += n
-    return total

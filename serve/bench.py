@@ -18,10 +18,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.errors import RequestError
 from dspark_jax.serving import pair_flags
 
@@ -61,7 +59,7 @@ def main(argv) -> None:
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     progress = FLAGS.progress and primary
     try:
-        config = engine_config.from_flags()        # checked before any model loads
+        config, scheduling = engine_config.from_flags()        # checked before any model loads
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     if not config.speculative:
@@ -78,17 +76,17 @@ def main(argv) -> None:
     pair = pair_flags.load_pair()
     if pair.draft is None:
         raise app.UsageError("the benchmark measures a draft: --draft_model none is not meaningful here")
-    for line in describe(pair, config):
+    for line in describe(pair, config, scheduling):
         log.info(line)
     items = card.load_items(names, FLAGS.limit, FLAGS.aime_file)
     for n in names:
         official = OFFICIAL_COUNTS[n]
         log.info("%s: %d prompts%s", card.CARD_NAMES[n], len(items[n]),
                  "" if len(items[n]) == official else f" (official count {official})")
-    config = config.replace(max_model_len=config.max_len_for(pair.target))
+    scheduling = scheduling.replace(max_model_len=scheduling.max_len_for(pair.target))
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, max_turns=FLAGS.max_turns)
     # what a journal's items depend on (a rerun with other values is refused)
-    recorded = dict(num_speculative_tokens=config.num_speculative_tokens, max_model_len=config.max_model_len,
+    recorded = dict(num_speculative_tokens=config.num_speculative_tokens, max_model_len=scheduling.max_model_len,
                     kv_cache_dtype=config.kv_cache_dtype, block_size=config.page_size, **kw)
 
     def journal(role: str, draft_spec: str, name: str):
@@ -99,13 +97,13 @@ def main(argv) -> None:
         # process 0 writes; the others (same file system) only read, so they skip the same items
         return card.Journal(Path(FLAGS.journal_dir) / f"{role}-{name}.jsonl", settings, writable=primary)
 
-    runner = card.Runner(pair.target, pair.draft, pair.tokenizer, config, **kw)
+    runner = card.Runner(pair.target, pair.draft, pair.tokenizer, config, scheduling, **kw)
     results = {n: card.run_benchmark(runner, n, items[n], progress, journal=journal("draft", pair.draft_name, n))
                for n in names}
     reference = None
     if FLAGS.reference_draft:
         ref_draft = load_draft_spec(FLAGS.reference_draft, pair.target, pair.mesh)
-        ref_runner = card.Runner(pair.target, ref_draft, pair.tokenizer, config, **kw)
+        ref_runner = card.Runner(pair.target, ref_draft, pair.tokenizer, config, scheduling, **kw)
         reference = {n: card.run_benchmark(ref_runner, n, items[n], progress,
                                            desc=f"{card.CARD_NAMES[n]} (reference)",
                                            journal=journal("reference", FLAGS.reference_draft, n))

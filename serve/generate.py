@@ -12,10 +12,8 @@ import logging
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
@@ -35,28 +33,28 @@ log = logging.getLogger("dspark_jax.serving")
 
 def main(argv) -> None:
     del argv
+    from dspark_jax.decode.generate import generate
     from dspark_jax.errors import RequestError
-    from dspark_jax.generate import generate
     from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import format_mtp_stats
 
     try:
-        config = engine_config.from_flags()        # checked before any model loads
+        config, scheduling = engine_config.from_flags()        # checked before any model loads
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     distributed.initialize_program()  # multi-host: every process runs this same program
     primary = distributed.is_primary()         # process 0 logs and prints
     logging.getLogger("dspark_jax").setLevel(logging.INFO if primary else logging.WARNING)
     pair = pair_flags.load_pair()
-    for line in describe(pair, config):
+    for line in describe(pair, config, scheduling):
         log.info(line)
     res = generate(pair.target, pair.draft, [FLAGS.prompt], max_new_tokens=FLAGS.max_new_tokens,
                    temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                    num_speculative_tokens=config.num_speculative_tokens, stop=FLAGS.stop, seed=FLAGS.seed,
-                   chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=config.max_model_len,
+                   chat=FLAGS.chat, tokenizer=pair.tokenizer, max_model_len=scheduling.max_model_len,
                    kv_cache_dtype=config.kv_cache_dtype, page_size=config.page_size,
-                   speculative_length=config.speculative_length,
-                   max_num_batched_tokens=config.max_num_batched_tokens)
+                   speculative_length=scheduling.speculative_length,
+                   max_num_batched_tokens=scheduling.max_num_batched_tokens)
     if not primary:
         return
     out = res.outputs[0]

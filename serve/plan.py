@@ -9,7 +9,7 @@ with an estimate of its compile time, and counts one MoE layer's FLOPs over the 
 Prints per weight class the sharding and per-device bytes, the cache bytes and every compiled
 program's memory; the last line is `per-device peak: X GiB of C GiB (f usable)`. Exit status 0
 if the peak fits `--hbm_gib * --usable_fraction`, 1 if not. Runs on fake CPU devices (set up
-here, before JAX starts), so it needs no accelerator. See dspark_jax/plan.py.
+here, before JAX starts), so it needs no accelerator. See dspark_jax/plan/serving.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import sys
 
 from absl import app, flags, logging
 
-from dspark_jax import engine_config
-from dspark_jax import plan as plan_lib
+from dspark_jax.decode import config as engine_config
 from dspark_jax.errors import RequestError
+from dspark_jax.plan import serving as plan_lib
 
 _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config name, a config.json or a model dir.")
 _DRAFT = flags.DEFINE_string("draft_config", "auto",
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        config = engine_config.from_flags()
+        config, scheduling = engine_config.from_flags()
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     unknown = sorted(set(_PROGRAMS.value) - set(plan_lib.PROGRAMS))
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
     plan_lib.configure_cpu_devices(_DEVICES.value)
     logging.set_verbosity(logging.INFO)
     cfg, draft_cfg = plan_lib.load_plan_configs(_CONFIG.value, _DRAFT.value)
-    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, engine=config)
+    shape = plan_lib.ServingShape(num_devices=_DEVICES.value, engine=config, scheduler=scheduling)
     plan = plan_lib.build_plan(cfg, draft_cfg, shape, capacity_gib=_HBM.value, usable_fraction=_USABLE.value,
                                programs=_PROGRAMS.value, progress=logging.info)
     print("\n".join(plan_lib.format_plan(plan, plan_lib.plan_title(cfg, draft_cfg, _CONFIG.value))), flush=True)

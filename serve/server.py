@@ -12,10 +12,8 @@ import logging
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
@@ -49,11 +47,11 @@ def main(argv) -> None:
     del argv
     import uvicorn
 
-    from dspark_jax import warmup
-    from dspark_jax.batcher import Batcher
-    from dspark_jax.engine import Engine
+    from dspark_jax.decode import warmup
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.requests import eos_ids
+    from dspark_jax.decode.scheduler import Scheduler
     from dspark_jax.errors import RequestError
-    from dspark_jax.generate import eos_ids
     from dspark_jax.serving.app import ServerConfig, create_app
     from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import EngineWorker
@@ -69,7 +67,7 @@ def main(argv) -> None:
                              "--num_processes / $DSPARK_NUM_PROCESSES): start one server per node, each "
                              "with --tp <its device count>, behind a load balancer (docs/scaling.md)")
     try:
-        config = engine_config.from_flags()        # checked before any model loads
+        config, scheduling = engine_config.from_flags()        # checked before any model loads
     except RequestError as e:
         raise app.UsageError(str(e)) from None
     logging.getLogger("dspark_jax").setLevel(logging.INFO)
@@ -80,18 +78,17 @@ def main(argv) -> None:
     draft, config = config.for_pair(pair.draft)
     t = config.num_speculative_tokens
     engine = Engine(pair.target, draft, config)
-    max_model_len = config.max_len_for(pair.target)
-    for line in describe(pair, config, store_dtype=engine.store_dtype, pool=True):
+    scheduling = scheduling.replace(max_model_len=scheduling.max_len_for(pair.target))
+    max_model_len = scheduling.max_model_len
+    for line in describe(pair, config, scheduling, store_dtype=engine.store_dtype, pool=True):
         log.info(line)
-    batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
-                      speculative_length=config.speculative_length,
-                      max_num_batched_tokens=config.max_num_batched_tokens)
+    scheduler = Scheduler(engine, scheduling, seed=FLAGS.seed)
     if FLAGS.warmup:
-        warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, sampled=True, progress=warmup.ProgressBar())
+        warmup.warm_up(scheduler, max_programs=FLAGS.warmup_max_programs, sampled=True, progress=warmup.ProgressBar())
         # the adaptive speculation length's step costs, once per host and model (then from disk)
-        warmup.measure_step_costs(batcher, progress=lambda i, n, rows: log.info(
+        warmup.measure_step_costs(scheduler, progress=lambda i, n, rows: log.info(
             "measuring step costs: batch bucket %d (%d/%d)", rows, i + 1, n))
-    worker = EngineWorker(batcher, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
+    worker = EngineWorker(scheduler, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
     names = [FLAGS.served_model_name or pair.target_name]
     cfg = ServerConfig(model_names=names, max_model_len=max_model_len, num_speculative_tokens=t,
                        vocab_size=pair.target.cfg.vocab_size,
@@ -99,7 +96,7 @@ def main(argv) -> None:
                        max_request_bytes=FLAGS.max_request_bytes)
     application = create_app(worker, pair.tokenizer, cfg, on_startup=worker.start, on_shutdown=worker.stop)
     log.info("serving %s on http://%s:%d (max_num_seqs %d, max_model_len %d)", names[0], FLAGS.host, FLAGS.port,
-             config.max_num_seqs, max_model_len)
+             scheduling.max_num_seqs, max_model_len)
     uvicorn.run(application, host=FLAGS.host, port=FLAGS.port, log_level="info")
 
 

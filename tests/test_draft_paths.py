@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import steps
 from dspark_jax.cache import PagedPool
-from dspark_jax.engine import cast_floating, embed_and_head
+from dspark_jax.decode import steps
+from dspark_jax.decode.engine import cast_floating, embed_and_head
+from dspark_jax.sampling import SamplingParams
 from dspark_jax.train import loss as loss_lib
 from tests.float64 import assert_close, x64
 from tests.gen_utils import tiny_draft, tiny_llama
@@ -87,8 +88,8 @@ def test_a_narrower_width_is_the_step_of_a_draft_run_at_that_t():
     """A step verifying `width` = w < T drafts runs the draft's block at w rows: it emits, accepts
     and writes what a step of an engine at T = w does, greedy and sampled (same key), and its
     block rows are not the T-row block's (the block's attention is bidirectional)."""
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.engine import Engine
 
     target = tiny_llama(seed=3)
     draft = tiny_draft(target, seed=4, layer_ids=(0, 2))
@@ -103,7 +104,7 @@ def test_a_narrower_width_is_the_step_of_a_draft_run_at_that_t():
         return np.asarray(first), caches
 
     x0_B, _ = prefilled(engines[T])
-    for kw in ({}, {"temperature": np.asarray([3.0, 8.0], np.float32), "top_p": np.asarray([0.9, 1.0], np.float32)}):
+    for kw in ({}, {"sampling": SamplingParams(np.asarray([3.0, 8.0], np.float32), np.asarray([0.9, 1.0], np.float32))}):
         whole = engines[T].step(x0_B, lens_B, active_B, np.int32(max_len), prefilled(engines[T])[1], key, **kw)
         for w in (1, 2):
             part = engines[T].step(x0_B, lens_B, active_B, np.int32(max_len), prefilled(engines[T])[1], key,

@@ -5,7 +5,7 @@ that finds everything answered.
 Most of a call's time is compiling the target's programs in each subprocess: the calls share one
 persistent compilation cache (a later call loads what an earlier one compiled; the answers are
 the same either way), and the pools fit one batch (one batch bucket compiled, not one per size
-the running batch shrinks to; tests/test_batcher.py covers continuous batching)."""
+the running batch shrinks to; tests/test_scheduler.py covers continuous batching)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.train import regen
+from dspark_jax.data import answer_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_gpu_answers_answers_the_pools_and_writes_their_archives(smollm2_dir, xl
     assert [x["name"] for x in lines] == ["warm", "cool"]
     for x, (name, recs) in zip(lines, pools.items()):
         assert x["pool"] == x["answered"] == x["archived"] == x["snapshot"] == len(recs)
-        snap = regen.read_cache(tmp_path / "work" / f"answers-{name}.jsonl")
+        snap = answer_cache.read_cache(tmp_path / "work" / f"answers-{name}.jsonl")
         assert [r["id"] for r in snap] == [r["id"] for r in recs]        # the pool's order
         assert all(r["dtype"] == "bfloat16" and 1 <= len(r["answer_ids"]) <= 16 for r in snap)
     assert sorted(p.name for p in out.iterdir()) == ["answers.jsonl", "gpu_answers.log"]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
-from dspark_jax.train import regen
+from dspark_jax.data import answer_cache
 from dspark_jax.train.vocab import choose_from_rows, write_choice
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 from tests.train_utils import write_tiny_run_inputs
@@ -25,7 +25,7 @@ def _inputs(root: Path) -> dict[str, str]:
     tiny = write_tiny_run_inputs(root, pair, answer_samples(target, max_new_tokens=28))
     save_torch_draft(pair[1], dict(pair[1].cfg.raw), root / "init")
     # run b's own flag: a reduced vocabulary of the 48 most frequent answer tokens
-    write_choice(choose_from_rows(regen.read_cache(tiny["data"]), target.cfg.vocab_size, 0.5, heldout_fraction=0.0,
+    write_choice(choose_from_rows(answer_cache.read_cache(tiny["data"]), target.cfg.vocab_size, 0.5, heldout_fraction=0.0,
                                   min_size=48), root / "vocab.json")
     return {"TARGET": str(tiny["target"]), "INIT": str(root / "init"), "DATA": str(tiny["data"]),
             "RUNS": f"a:1e-3:1 b:3e-3:2:--draft_vocab={root / 'vocab.json'},--weight_decay=0.01"}

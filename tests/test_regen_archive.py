@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dspark_jax.data import answer_cache
 from dspark_jax.train import regen
 
 
@@ -24,7 +25,7 @@ def test_archive_then_restore_on_a_fresh_machine(tmp_path):
     cache, archive = tmp_path / "a" / "regen.jsonl", tmp_path / "archive"
     cache.parent.mkdir()
     _write(cache, _rows(0, 7))
-    regen.meta_path(cache).write_text('{"target": "t"}\n')
+    answer_cache.meta_path(cache).write_text('{"target": "t"}\n')
     assert regen.archive_cache(cache, archive, part_size=3) == 6          # two whole parts, 1 row left
     parts = sorted(p.name for p in archive.glob("part-*"))
     assert parts == ["part-00000.jsonl.gz", "part-00001.jsonl.gz"]
@@ -35,9 +36,9 @@ def test_archive_then_restore_on_a_fresh_machine(tmp_path):
 
     fresh = tmp_path / "b" / "regen.jsonl"
     assert regen.restore_cache(archive, fresh) == 9
-    assert [r["id"] for r in regen.read_cache(fresh)] == [f"p{i}" for i in range(9)]
-    assert regen.read_cache(fresh) == regen.read_cache(cache)[:9]
-    assert regen.meta_path(fresh).read_text() == '{"target": "t"}\n'
+    assert [r["id"] for r in answer_cache.read_cache(fresh)] == [f"p{i}" for i in range(9)]
+    assert answer_cache.read_cache(fresh) == answer_cache.read_cache(cache)[:9]
+    assert answer_cache.meta_path(fresh).read_text() == '{"target": "t"}\n'
     assert regen.restore_cache(archive, fresh) == 0                       # already there: untouched
 
 
@@ -49,7 +50,7 @@ def test_a_complete_cache_archives_its_tail_as_a_last_short_part(tmp_path):
     assert regen.archive_cache(cache, archive, part_size=3, complete=True) == 7     # idempotent
     fresh = tmp_path / "fresh.jsonl"
     assert regen.restore_cache(archive, fresh) == 7
-    assert regen.read_cache(fresh) == regen.read_cache(cache)
+    assert answer_cache.read_cache(fresh) == answer_cache.read_cache(cache)
     _write(cache, _rows(7, 10))                      # rows after the short part: refused, not misnumbered
     with pytest.raises(ValueError, match="part-00002.jsonl.gz is the archive's last, short part"):
         regen.archive_cache(cache, archive, part_size=3)
@@ -62,7 +63,7 @@ def test_restore_keeps_answers_the_cache_already_has(tmp_path):
     other = tmp_path / "other.jsonl"
     _write(other, _rows(10, 12))                                           # answered elsewhere
     assert regen.restore_cache(archive, other) == 4
-    assert [r["id"] for r in regen.read_cache(other)] == ["p0", "p1", "p2", "p3", "p10", "p11"]
+    assert [r["id"] for r in answer_cache.read_cache(other)] == ["p0", "p1", "p2", "p3", "p10", "p11"]
 
 
 def test_an_archive_of_another_cache_is_refused(tmp_path):

@@ -22,6 +22,7 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
+from dspark_jax.data import answer_cache
 from dspark_jax.kernels.dispatch import use_kernels
 from dspark_jax.train import loss as L
 from dspark_jax.train import monitor, regen, teacher, torchspec
@@ -454,7 +455,7 @@ def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):
         f.write('{"id": "torn')                                  # killed mid-line
     counts = regen.regenerate(target, tok, recs, out, settings=st, batch_size=2)
     assert counts["cached_before"] == 2 and counts["written"] == 2
-    rows = regen.read_cache(out)
+    rows = answer_cache.read_cache(out)
     assert [r["id"] for r in rows] == ["r0", "r1", "r2", "r3"]
     assert {r["dtype"] for r in rows} == {"float32"}                      # the target's compute dtype
     r3 = rows[3]
@@ -471,8 +472,8 @@ def test_regen_cache_resumes_and_masks_the_last_turn(pair, tmp_path):
     # a snapshot: the rows of the given prompts in that order, with the settings file
     snap = tmp_path / "first3.jsonl"
     assert regen.write_snapshot(out, ["r2", "r0", "r1"], snap) == 3
-    assert regen.read_cache(snap) == [rows[2], rows[0], rows[1]]
-    assert regen.meta_path(snap).read_text() == regen.meta_path(out).read_text()
+    assert answer_cache.read_cache(snap) == [rows[2], rows[0], rows[1]]
+    assert answer_cache.meta_path(snap).read_text() == answer_cache.meta_path(out).read_text()
     with pytest.raises(ValueError, match="1 of the 2 prompts have no answer yet .first: 'r9'"):
         regen.write_snapshot(out, ["r0", "r9"], tmp_path / "bad.jsonl")
     assert not (tmp_path / "bad.jsonl").exists()
@@ -489,13 +490,13 @@ def test_regen_time_budget_answers_the_first_prompts_and_a_rerun_finishes(pair, 
     monkeypatch.setattr(regen, "time", SimpleNamespace(time=lambda: float(next(clock))))
     out = tmp_path / "budget.jsonl"
     counts = regen.regenerate(target, tok, recs, out, settings=st, batch_size=2, deadline=3.0)
-    answered = sorted(r["id"] for r in regen.read_cache(out))
+    answered = sorted(r["id"] for r in answer_cache.read_cache(out))
     assert 0 < len(answered) < 6 and counts["unanswered"] == 6 - len(answered)
     assert answered == [f"r{i}" for i in range(len(answered))]        # the first prompts, whole answers
     monkeypatch.undo()
     assert regen.regenerate(target, tok, recs, out, settings=st, batch_size=2)["written"] == 6 - len(answered)
-    by_id = {r["id"]: r["answer_ids"] for r in regen.read_cache(whole)}
-    assert {r["id"]: r["answer_ids"] for r in regen.read_cache(out)} == by_id
+    by_id = {r["id"]: r["answer_ids"] for r in answer_cache.read_cache(whole)}
+    assert {r["id"]: r["answer_ids"] for r in answer_cache.read_cache(out)} == by_id
 
 
 def test_torchspec_checkpoint_maps_to_a_train_state(pair, tmp_path):

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from dspark_jax import params as params_lib
 from dspark_jax.api import load_target
 from dspark_jax.config import DraftConfig, KimiConfig, LlamaConfig
+from dspark_jax.data import answer_cache
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.train import loss as L
@@ -133,7 +134,7 @@ def test_regen_answers_with_the_target_split_equal_one_device(k3_dir, tmp_path):
         out = tmp_path / f"{name}.jsonl"
         regen.regenerate(target, CharTokenizer(), records, out, settings=settings, batch_size=2,
                          max_num_batched_tokens=budget)
-        answers[name] = {r["id"]: r["answer_ids"] for r in regen.read_cache(out)}
+        answers[name] = {r["id"]: r["answer_ids"] for r in answer_cache.read_cache(out)}
     assert answers["tp"] == answers["one"] and len(answers["one"]) == 2
     assert len({tuple(a) for a in answers["one"].values()}) > 1
 

@@ -23,7 +23,7 @@ give the same one (checkpoints hold parameters, not the map);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
-Monitoring: --eval_every N measures the served tok/fwd of the current weights (T=0, 7 drafts,
+Monitoring: --eval_every N measures the served tok/fwd of the current weights (greedy, 7 drafts,
 generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, outside the
 acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
@@ -54,11 +54,11 @@ from absl import app, flags, logging
 from dspark_jax import distributed
 from dspark_jax.api import load_target
 from dspark_jax.config import load_config
+from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
-from dspark_jax.train import init_draft, regen, teacher, torchspec
+from dspark_jax.train import init_draft, regen, teacher, torchspec, train_mesh
 from dspark_jax.train import loss as loss_lib
-from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
 from train import paths
 
@@ -86,7 +86,8 @@ flags.DEFINE_integer("global_batch", 16, "Sequences per optimizer step.")
 flags.DEFINE_integer("micro_batch", 4, "Sequences per forward/backward (accumulation = global/micro).")
 flags.DEFINE_integer("max_len", 1024, "Sequence length (longer samples are truncated).")
 flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.")
-flags.DEFINE_integer("block_size", 7, "Block width (number of speculative tokens).")
+flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per block T (the block width the draft is trained "
+                     "for; the serving programs' flag of the same name).", lower_bound=1)
 flags.DEFINE_float("gamma", 4.0, "Position decay exp(-k/gamma).")
 flags.DEFINE_float("ce_weight", loss_lib.LossConfig.ce_weight, "Weight of the hard-label cross-entropy term "
                    "(default: the published recipe's, docs/architecture.md §4).", lower_bound=0.0)
@@ -181,7 +182,7 @@ def main(argv: list[str]) -> None:
     online = FLAGS.data is not None
     if online:
         files = paths.expand(FLAGS.data, flag="data", what="regen cache", exists=Path.is_file)
-        rows = [row for path in files for row in regen.read_cache(path)]
+        rows = [row for path in files for row in answer_cache.read_cache(path)]
         samples = list(regen.samples_from_cache(rows, max_len=FLAGS.max_len))
         source = trainer_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
         log(f"{len(samples)} samples from {FLAGS.data}")
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> None:
         eval_every=FLAGS.eval_every, keep_exports=FLAGS.keep_exports,
         # the per-checkpoint export reads every parameter on the host: multi-host exports once, below
         export=not settings.multi_process,
-        loss=loss_lib.LossConfig(block_size=FLAGS.block_size, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma,
+        loss=loss_lib.LossConfig(block_size=FLAGS.num_speculative_tokens, num_anchors=FLAGS.num_anchors, gamma=FLAGS.gamma,
                                   ce_weight=FLAGS.ce_weight, l1_weight=FLAGS.l1_weight))
     trainer = trainer_lib.Trainer(cfg, draft_cfg, target, online=online, mesh=mesh, init_draft=start_draft, log=log)
     if FLAGS.resume_torchspec and trainer.manager.latest_step() is None:
@@ -237,9 +238,10 @@ def main(argv: list[str]) -> None:
         served = target if FLAGS.target_dtype == "float32" else load_target(
             FLAGS.target, dtype=jnp.float32, mesh=mesh, rules=train_mesh.TEACHER_RULES)
         evaluator = monitor.HeldOutEval(served, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
-                                        num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
+                                        num_speculative_tokens=FLAGS.num_speculative_tokens,
+                                        batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
-            f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
+            f"{FLAGS.eval_max_new_tokens} new tokens, greedy, {FLAGS.num_speculative_tokens} drafts")
     trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
                     cpu_budget=FLAGS.cpu_budget, time_budget=FLAGS.time_budget)
     if settings.multi_process:
@@ -271,7 +273,7 @@ def _compute_dtype() -> str:
 
 _OWN_FLAGS = {"target", "target_dtype", "data", "teacher_dir", "draft_config", "init_from", "add_layers",
               "resume_torchspec", "run_dir", "total_steps", "epochs", "global_batch", "micro_batch", "max_len",
-              "num_anchors", "block_size", "gamma", "ce_weight", "l1_weight", "lr", "warmup_frac", "min_lr_frac",
+              "num_anchors", "num_speculative_tokens", "gamma", "ce_weight", "l1_weight", "lr", "warmup_frac", "min_lr_frac",
               "clip", "weight_decay", "compute_dtype", "seed", "save_every", "log_every", "keep_exports",
               "warm_start", "lr_schedule", "eval_every", "eval_num_prompts", "eval_offset", "eval_prompts_file",
               "eval_max_new_tokens", "eval_batch_size", "draft_vocab", "cpu_budget", "time_budget",

@@ -1,5 +1,5 @@
 """Will one distillation step with the Kimi teacher fit the training mesh, and what does it cost?
-Abstract build + AOT compile of the trainer's own step, no weights (dspark_jax/train/train_plan.py).
+Abstract build + AOT compile of the trainer's own step, no weights (dspark_jax/plan/training.py).
 
     python -m train.plan --config kimi-k3 --tp 8 --seq_len 4096 --num_anchors 512 --teacher online
     python -m train.plan --config kimi-k3 --tp 8 --seq_len 4096 --num_anchors 512 --teacher offline
@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags, logging
 
-from dspark_jax import plan as plan_lib
+from dspark_jax.plan import serving as plan_lib
 from dspark_jax.train import train_mesh
 
 _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config name, a config.json or a model dir.")
@@ -31,7 +31,7 @@ _SEQ = flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence (train.distill
 _MICRO = flags.DEFINE_integer("micro_batch", 1, "Sequences per forward/backward.", lower_bound=1)
 _ACCUM = flags.DEFINE_integer("accum_steps", 1, "Micro-batches per step.", lower_bound=1)
 _ANCHORS = flags.DEFINE_integer("num_anchors", 512, "Anchors per sequence.", lower_bound=1)
-_BLOCK = flags.DEFINE_integer("block_size", 7, "Block width.", lower_bound=1)
+_BLOCK = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per block T (the block width).", lower_bound=1)
 _TEACHER = flags.DEFINE_enum("teacher", "online", ["online", "offline"], "Teacher inside the step, or read "
                              "from shards.")
 _HBM = flags.DEFINE_float("hbm_gib", 288.0, "Memory per device in GiB (MI355X: 288).")
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     plan_lib.configure_cpu_devices(_TP.value * _DP.value * _FSDP.value)
     logging.set_verbosity(logging.INFO)
-    from dspark_jax.train import train_plan
+    from dspark_jax.plan import training as train_plan
     cfg, draft_cfg = plan_lib.load_plan_configs(_CONFIG.value, _DRAFT.value)
     if draft_cfg is None:
         raise app.UsageError(f"--draft_config: no draft config for {_CONFIG.value!r}")

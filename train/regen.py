@@ -28,6 +28,7 @@ from absl import app, flags, logging
 from dspark_jax import distributed
 from dspark_jax.api import load_target
 from dspark_jax.config import load_config
+from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
 from dspark_jax.tokenizer import load_tokenizer
@@ -113,7 +114,7 @@ def main(argv: list[str]) -> None:
     counts = regen.regenerate(target, tokenizer, records, out, settings=settings,
                               batch_size=FLAGS.batch_size, log=log, on_write=on_write, deadline=deadline,
                               max_num_batched_tokens=FLAGS.max_num_batched_tokens)
-    cached = regen.read_cache(out)
+    cached = answer_cache.read_cache(out)
     if FLAGS.archive and num_shards == 1 and {r["id"] for r in cached} >= {r["id"] for r in pool}:
         n = regen.archive_cache(out, FLAGS.archive, complete=True)   # the whole pool: its tail too
         log(f"the whole pool is answered: {n} answers archived in {FLAGS.archive}")

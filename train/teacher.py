@@ -23,6 +23,7 @@ from absl import app, flags, logging
 
 from dspark_jax.api import load_target
 from dspark_jax.config import DraftConfig, load_config
+from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
 from dspark_jax.train import regen, teacher, train_mesh
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> None:
     mesh = train_mesh.mesh_from_flags(cfg, multi_process=False)
     log(train_mesh.describe(mesh))
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype), mesh=mesh, rules=train_mesh.TEACHER_RULES)
-    samples = list(regen.samples_from_cache(regen.read_cache(FLAGS.data), max_len=FLAGS.max_len))
+    samples = list(regen.samples_from_cache(answer_cache.read_cache(FLAGS.data), max_len=FLAGS.max_len))
     out = teacher.write_teacher_shards(target, samples, FLAGS.out, writer=FLAGS.writer, meta=meta,
                                        batch_size=FLAGS.batch_size, log=log, mesh=mesh)
     log(f"done: {out.num_shards} shards, {out.num_samples} sequences")

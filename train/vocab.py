@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from dspark_jax.train.regen import read_cache
+from dspark_jax.data.answer_cache import read_cache
 from dspark_jax.train.vocab import choose_from_rows, write_choice
 
 FLAGS = flags.FLAGS

@@ -544,13 +544,11 @@ def convert_draft(src: str | Path, dst: str | Path, *, check: bool = False,
 
 
 def load_draft(path: str | Path, *, dtype=None, mesh: Mesh | None = None) -> K3DSparkModel:
-    """The draft from a torch-layout dir, an Orbax-layout dir or a preset name, tensor by tensor,
-    each placed straight into its sharding on `mesh` (default: one device). `dtype` overrides the
-    config's (floats are cast, e.g. float32 for tests). `embed_tokens` is not loaded (the target's
-    table is used)."""
-    from dspark_jax.presets import resolve_model_path
-
-    path = resolve_model_path(path)
+    """The draft from a torch-layout dir or an Orbax-layout dir (`dspark_jax.load_draft` also takes
+    a preset name), tensor by tensor, each placed straight into its sharding on `mesh` (default:
+    one device). `dtype` overrides the config's (floats are cast, e.g. float32 for tests).
+    `embed_tokens` is not loaded (the target's table is used)."""
+    path = Path(path)
     if is_torch_draft_dir(path):
         src = open_torch_draft(path)
     elif is_orbax_draft_dir(path):

@@ -204,7 +204,7 @@ class K3DSparkModel(nnx.Module):
             return lm_head_VD
         return jnp.take(lm_head_VD, ids, axis=0)
 
-    def scatter_to_target(self, logits_XK: jax.Array) -> jax.Array:
+    def gather_to_target(self, logits_XK: jax.Array) -> jax.Array:
         """Draft-vocab logits [..., K] -> [..., V] with -inf outside the kept set (zero probability:
         the distribution that produced the drafts, over target ids, for rejection sampling)."""
         if self.d2t is None:

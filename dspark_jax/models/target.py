@@ -1,5 +1,6 @@
-"""What every target model shares: the output it returns for the tokens it processes (DESIGN
-§3.1) and its vocabulary head."""
+"""What every target model shares: the output it returns for the tokens it processes (logits, the
+draft's aux hidden states, the post-final-norm hidden state; docs/architecture.md §2) and its
+vocabulary head."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
 `average_tokens_per_forward`), acceptance % (accepted / drafted) and the number of prompts.
 
 Generation goes through the serving stack: one `Engine` per draft, each turn measured by
-`acceptance.measure_acceptance` (one-slot `Batcher`s, the loop the server runs). With a reference
+`acceptance.measure_acceptance` (one-slot `Scheduler`s, the loop the server runs). With a reference
 draft the same prompts run again and the ratio table (ours / reference, per benchmark and the
 mean) compares the two on the same stack.
 
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dspark_jax.acceptance import measure_acceptance
 from dspark_jax.data.eval_sets import BenchItem, load_benchmark
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.acceptance import measure_acceptance
+from dspark_jax.decode.config import EngineConfig, SchedulerConfig
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.requests import encode_prompt
+from dspark_jax.decode.stats import SpecStats
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import encode_prompt
-from dspark_jax.stats import SpecStats
 
 CARD_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt_bench": "MT-Bench", "aime": "AIME 2026"}
 ALIASES = {"mtbench": "mt_bench", "mt-bench": "mt_bench", "aime26": "aime", "aime2026": "aime"}
@@ -79,13 +79,14 @@ class Runner:
     powers of two up to the config's `max_len_for(target)`, so a short conversation does not hold
     a cache sized for the longest one). `max_turns` cuts multi-turn items (MT-Bench first turns: 1)."""
 
-    def __init__(self, target, draft, tokenizer, config: EngineConfig, *, max_new_tokens: int,
+    def __init__(self, target, draft, tokenizer, config: EngineConfig, scheduling: SchedulerConfig, *,
+                 max_new_tokens: int,
                  max_turns: int | None = None):
         draft, config = config.for_pair(draft)
         self.engine = Engine(target, draft, config)
         self.target, self.draft = target, draft
-        self.max_model_len = config.max_len_for(target)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = scheduling.max_len_for(target)
+        self.max_num_batched_tokens = scheduling.max_num_batched_tokens
         self.tokenizer, self.max_new_tokens, self.max_turns = tokenizer, max_new_tokens, max_turns
 
     def run_item(self, item: BenchItem, stats: SpecStats) -> dict:

@@ -25,9 +25,9 @@ from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_targe
 from dspark_jax.api import resolve_dtype as api_resolve_dtype
 from dspark_jax.cache import value_dtype
 from dspark_jax.config import DraftConfig
-from dspark_jax.engine import pool_geometry
-from dspark_jax.engine_config import DTYPE_CHOICES, EngineConfig
-from dspark_jax.generate import tokenizer_for
+from dspark_jax.decode.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig
+from dspark_jax.decode.engine import pool_geometry
+from dspark_jax.decode.requests import tokenizer_for
 from dspark_jax.presets import resolve_model_path
 
 log = logging.getLogger("dspark_jax.serving")
@@ -130,7 +130,8 @@ def load_pair(model: str | None = None, draft_model: str | None = None, *, tp: i
                      None if draft is None else draft_name, mesh)
 
 
-def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: bool = False) -> list[str]:
+def describe(pair: ModelPair, config: EngineConfig, scheduling: SchedulerConfig, *, store_dtype=None,
+             pool: bool = False) -> list[str]:
     """What the entry point detected, one line per component (logged at start-up); `pool`: also
     the page size and the paged pool's size (the server, which allocates it for its slots)."""
     draft, config = config.for_pair(pair.draft)
@@ -151,21 +152,21 @@ def describe(pair: ModelPair, config: EngineConfig, *, store_dtype=None, pool: b
                      f"layers, block of {num_speculative_tokens} speculative tokens, aux capture layer ids "
                      f"{list(dc.target_layer_ids)}, markov rank {dc.markov_rank}, confidence head "
                      f"{'on' if dc.enable_confidence_head else 'off'}"
-                     + (f", speculation length {config.speculative_length}"
-                        + (" (0..T per step from measured step costs)" if config.speculative_length == "adaptive"
+                     + (f", speculation length {scheduling.speculative_length}"
+                        + (" (0..T per step from measured step costs)" if scheduling.speculative_length == "adaptive"
                            else "")))
     cache = f"kv cache: --kv_cache_dtype {config.kv_cache_dtype}"
     if store_dtype is not None:
         stored, value = jax.numpy.dtype(store_dtype), value_dtype(store_dtype)
         cache += f" -> stored as {value.name}" + (f" (bit patterns in {stored.name})" if stored != value else "")
     if pool:
-        max_num_seqs, max_model_len = config.max_num_seqs, config.max_len_for(pair.target)
+        max_num_seqs, max_model_len = scheduling.max_num_seqs, scheduling.max_len_for(pair.target)
         cache += f", block_size {config.page_size}"
         rows, width = pool_geometry(pair.target, draft)
         itemsize = jax.numpy.dtype(store_dtype or pair.target.dtype).itemsize
         nbytes = rows * max_num_seqs * max_model_len * width * itemsize
         cache += (f", {rows} rows x {max_num_seqs} slots x {max_model_len} positions x {width} wide "
-                  f"({nbytes / 2 ** 20:.1f} MiB); prompts prefilled {config.max_num_batched_tokens} tokens per step")
+                  f"({nbytes / 2 ** 20:.1f} MiB); prompts prefilled {scheduling.max_num_batched_tokens} tokens per step")
     lines.append(cache)
     if pair.mesh is None:
         d = jax.local_devices()[0]

@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 import jinja2
 
+from dspark_jax.decode.requests import encode_prompt
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import encode_prompt
+from dspark_jax.sampling import GREEDY, SamplingParams
 
 MAX_STOP_STRINGS = 16
 # the chat roles OpenAI's API defines; anything else is a client error, not text for the template
@@ -51,8 +52,7 @@ class ParsedRequest:
     model: str
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -172,8 +172,8 @@ def _finish(kind: str, body: dict, prompt_ids: list[int], limits: Limits, defaul
         kind=kind, model=_model(body, limits), prompt_ids=prompt_ids,
         # generation also stops at max_model_len ("length"); clip rather than refuse
         max_tokens=min(int(max_tokens), room),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),   # OpenAI default 1
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        sampling=SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),   # OpenAI default 1
+                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
         stop=_stops(body), stream=_flag(body, "stream"), include_usage=include_usage)
 
 

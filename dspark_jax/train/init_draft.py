@@ -62,7 +62,8 @@ def prepare(init: DraftInit, run_dir: str | Path, mesh, log: Callable[[str], Non
     cfg = None
     if init.init_from:
         from dspark_jax.checkpoint.draft_io import load_draft
-        model = load_draft(init.init_from, dtype=jnp.float32, mesh=mesh)
+        from dspark_jax.presets import resolve_model_path
+        model = load_draft(resolve_model_path(init.init_from), dtype=jnp.float32, mesh=mesh)
         if init.add_layers:
             from dspark_jax.models.draft_surgery import add_layers
             n_before = model.cfg.num_hidden_layers

@@ -33,11 +33,13 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dspark_jax.data.answer_cache import check_meta, meta_path, read_cache, repair_tail, stop_admitting
 
 FORMAT = "dspark_jax.regen"
 VERSION = 1
@@ -64,8 +66,6 @@ class Sample:
     loss_mask: np.ndarray    # bool [S]
 
 
-def meta_path(cache: str | os.PathLike) -> Path:
-    return Path(str(cache) + ".meta.json")
 
 
 def template_sha256(tokenizer) -> str:
@@ -101,32 +101,14 @@ def order_by_source(records: Sequence[Mapping[str, Any]], first: Sequence[str]) 
     return sorted(records, key=lambda r: rank.get(r.get("source"), len(first)))
 
 
-def repair_tail(path: Path) -> None:
-    """Drop a last line without its newline (the process died mid-write)."""
-    if not path.exists():
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            f.truncate(end)
 
 
-def read_cache(path: str | os.PathLike) -> list[dict]:
-    """Complete lines of a regen cache (a torn last line is ignored)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    with open(path, "rb") as f:
-        data = f.read()
-    data = data[:data.rfind(b"\n") + 1]
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
 def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str | os.PathLike) -> int:
     """The cached answers of `prompt_ids`, in that order, as a cache file of their own (with its
     settings file): a fixed training set while the cache keeps growing, and the same rows
-    whatever order the batcher finished them in. Every prompt must be answered already."""
+    whatever order the scheduler finished them in. Every prompt must be answered already."""
     rows = {r["id"]: r for r in read_cache(cache)}
     missing = [i for i in prompt_ids if i not in rows]
     if missing:
@@ -233,21 +215,6 @@ def archived_head(records: Sequence[Mapping[str, Any]], archive_dir: str | os.Pa
     return head
 
 
-def check_meta(path: Path, settings) -> None:
-    """Pin a cache's settings (a dataclass) in its `.meta.json`, or refuse ones that differ."""
-    mp = meta_path(path)
-    want = asdict(settings)
-    if mp.exists():
-        # a setting added after the cache was written holds its default there
-        have = {f.name: f.default for f in fields(settings) if f.default is not MISSING}
-        have.update(json.loads(mp.read_text()))
-        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-        if diff:
-            raise ValueError(f"{path}: cached with other settings {diff} (have, want); use another --out")
-        return
-    tmp = mp.with_name(mp.name + ".tmp")
-    tmp.write_text(json.dumps(want, indent=1) + "\n")
-    os.replace(tmp, mp)
 
 
 def regenerate(target, tokenizer, records: Sequence[Mapping[str, Any]], out: str | os.PathLike, *,
@@ -291,9 +258,12 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                 on_write, deadline: float | None, max_num_batched_tokens: int | None = None) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
-    from dspark_jax.batcher import Batcher, Request, pow2
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import default_max_len, encode_prompt, engine_for, eos_ids, output_text
+    from dspark_jax.decode.buckets import pow2
+    from dspark_jax.decode.config import EngineConfig, SchedulerConfig, position_limit
+    from dspark_jax.decode.generate import engine_for
+    from dspark_jax.decode.requests import encode_prompt, eos_ids, output_text
+    from dspark_jax.decode.scheduler import Request, Scheduler
+    from dspark_jax.sampling import SamplingParams
 
     check_meta(out, settings)
     repair_tail(out)
@@ -305,7 +275,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
         log(f"{len(done)} already cached, {len(todo)} to generate ({batch_size} at a time)")
     if not todo:
         return counts
-    limit = default_max_len(target)
+    limit = position_limit(target)
     prompts = [encode_prompt(prompt_messages(r), tokenizer, True, f"record {r['id']}") for r in todo]
     too_long = [r["id"] for r, p in zip(todo, prompts) if len(p) + 1 > limit]
     if too_long:
@@ -314,18 +284,18 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     eos = frozenset(eos_ids(target, tokenizer))
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
     dtype = np.dtype(engine.compute_dtype).name
-    batcher = Batcher(engine, batch_size, max_len, seed=settings.seed, max_num_batched_tokens=max_num_batched_tokens)
+    scheduler = Scheduler(engine, SchedulerConfig(batch_size, max_len, max_num_batched_tokens=max_num_batched_tokens), seed=settings.seed)
     for i, p in enumerate(prompts):
-        batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
+        scheduler.add(Request(p, settings.max_new_tokens, SamplingParams(settings.temperature), eos, index=i))
     t0 = last_log = time.time()
     with open(out, "a", encoding="utf-8") as f:
-        while batcher.has_work():
-            if deadline is not None and batcher.num_waiting and time.time() >= deadline:
-                counts["unanswered"] = stop_admitting(batcher)
+        while scheduler.has_work():
+            if deadline is not None and scheduler.num_waiting and time.time() >= deadline:
+                counts["unanswered"] = stop_admitting(scheduler)
                 if log:
                     log(f"time budget reached: {counts['unanswered']} prompts left for a resume, "
-                        f"finishing the {batcher.num_running} running")
-            finished = [r for r in batcher.step() if r.finish_reason is not None]
+                        f"finishing the {scheduler.num_running} running")
+            finished = [r for r in scheduler.step() if r.finish_reason is not None]
             lines = []
             for req in finished:
                 rec = todo[req.index]
@@ -344,7 +314,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
             f.flush()
             os.fsync(f.fileno())
             counts["written"] += len(lines)
-            if log and (time.time() - last_log > 30 or not batcher.has_work()):
+            if log and (time.time() - last_log > 30 or not scheduler.has_work()):
                 last_log = time.time()
                 dt = last_log - t0
                 left = len(todo) - counts["written"]
@@ -357,12 +327,6 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     return counts
 
 
-def stop_admitting(batcher) -> int:
-    """Drop the batcher's waiting requests (the running ones go on); returns how many."""
-    waiting = list(batcher.waiting)
-    for r in waiting:
-        batcher.abort(r)
-    return len(waiting)
 
 
 def samples_from_cache(rows: Iterable[Mapping[str, Any]], *, max_len: int | None = None,

@@ -1,23 +1,25 @@
-"""The engine's settings, validated once, before any model loads (every entry point and `generate()`).
+"""The engine's and the scheduler's settings, each validated once, before any model loads.
 
-`EngineConfig` holds what shapes the compiled steps and the caches: drafts per verify step T,
-cache storage dtype, page size, slots, sequence capacity and how each step's speculation length is
-chosen (`speculative_length`: adaptive from measured costs, or always T; `dspark_jax.spec_length`).
-`define_flags()` declares the same command-line flags (one definition, one set of defaults) for
-every program; `from_flags()` builds and validates the config from them.
+`EngineConfig` holds what shapes the compiled programs and the caches: drafts per verify step T,
+cache storage dtype, page size. `SchedulerConfig` holds what the scheduler decides with: slots,
+sequence capacity, the prefill token budget per step and how each step's speculation length is
+chosen (`speculative_length`: adaptive from measured costs, or always T;
+`dspark_jax.decode.spec_length`). `define_flags()` declares the command-line flags of both (one
+definition, one set of defaults) for every program; `from_flags()` builds and validates them.
 
-The T = 0 rule lives here: speculation needs both a proposer (a draft model, or an external
-proposer in tests) and T > 0; otherwise the engine decodes plainly (`for_pair`).
+The plain-decoding rule lives here: speculation needs both a proposer (a draft model, or an
+external proposer in tests) and T > 0; otherwise the engine decodes plainly (`for_pair`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dspark_jax.cache import storage_dtype
+from dspark_jax.decode.spec_length import SPECULATIVE_LENGTHS, StepCosts
 from dspark_jax.errors import RequestError
-from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
@@ -37,29 +39,13 @@ DTYPE_HELP = ("Target compute dtype (the draft follows it): auto = bfloat16 on G
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What shapes the compiled programs and the caches' storage."""
+
     num_speculative_tokens: int = 7          # T: drafts per verify step (each step verifies T + 1)
     kv_cache_dtype: str = "auto"             # paged-pool storage: auto (model dtype), bf16, fp32, fp8
     page_size: int = 16                      # tokens per cache page (ATOM's --block_size)
-    max_num_seqs: int = 8                    # cache slots: sequences decoded together
-    max_model_len: int | None = None         # tokens per sequence; None: from the target
-    # "adaptive": each step verifies the L in 0..T of most expected tokens per second, from the
-    # acceptance measured so far and the measured cost of a step at its batch size (where a verify
-    # of T+1 tokens a row is compute-bound, a CPU at batch 8, L shrinks, down to one-token steps);
-    # "fixed": always T. The Batcher applies it (the compiled programs take L as a static width)
-    speculative_length: str = "adaptive"
-    # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
-    # spec_length.costs_for); compared by identity
-    step_costs: StepCosts | None = None
-    # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
-    # the decode steps of the running sequences (the Batcher applies it). None: no bound, whole
-    # prompts all at once (offline batches, `generate()`'s default)
-    max_num_batched_tokens: int | None = MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise RequestError naming the field of the first bad setting."""
         if self.num_speculative_tokens < 0:
             raise RequestError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         try:
@@ -68,16 +54,6 @@ class EngineConfig:
             raise RequestError(str(e)) from None
         if self.page_size < 1:
             raise RequestError(f"page_size (--block_size) must be >= 1, got {self.page_size}")
-        if self.max_num_seqs < 1:
-            raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.speculative_length not in SPECULATIVE_LENGTHS:
-            raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
-                               f"got {self.speculative_length!r}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise RequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < self.num_speculative_tokens + 2:
-            raise RequestError(f"max_model_len={self.max_model_len} leaves no room for one token and a verify "
-                               f"step of {self.num_speculative_tokens + 1}")
 
     @property
     def speculative(self) -> bool:
@@ -95,10 +71,57 @@ class EngineConfig:
             return None, self
         return draft, self
 
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler decides with: its slots and their capacity, the prefill token budget and
+    how each step's speculation length is chosen. Validated once, here."""
+
+    max_num_seqs: int = 8                    # cache slots: sequences decoded together
+    max_model_len: int | None = None         # tokens per sequence; None: from the target (`max_len_for`)
+    # "adaptive": each step verifies the L in 0..T of most expected tokens per second, from the
+    # acceptance measured so far and the measured cost of a step at its batch size (where a verify
+    # of T+1 tokens a row is compute-bound, a CPU at batch 8, L shrinks, down to one-token steps);
+    # "fixed": always T (the compiled programs take L as a static width)
+    speculative_length: str = "adaptive"
+    # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
+    # spec_length.costs_for); compared by identity
+    step_costs: StepCosts | None = None
+    # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
+    # the decode steps of the running sequences. None: no bound, whole prompts all at once
+    # (offline batches, `generate()`'s default; the server's flag defaults to MAX_NUM_BATCHED_TOKENS)
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise RequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.speculative_length not in SPECULATIVE_LENGTHS:
+            raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
+                               f"got {self.speculative_length!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise RequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise RequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def replace(self, **changes) -> "SchedulerConfig":
+        return dataclasses.replace(self, **changes)
+
     def max_len_for(self, target) -> int:
         """The sequence capacity: `max_model_len`, else the target's position limit capped at 4096."""
-        limit = int(getattr(target.cfg, "max_position_embeddings", 0) or 4096)
-        return self.max_model_len or min(limit, 4096)
+        return self.max_model_len or min(position_limit(target), 4096)
+
+
+def position_limit(target) -> int:
+    """The target's position limit (max_position_embeddings; 4096 when the config has none)."""
+    return int(getattr(target.cfg, "max_position_embeddings", 0) or 4096)
+
+
+def check_prompt(num_tokens: int, t: int, max_len: int, where: str = "prompt") -> None:
+    """Raise RequestError unless a prompt of `num_tokens` and one verify step of T + 1 fit a
+    sequence of `max_len` tokens (the one place the prompt length is checked)."""
+    if num_tokens + t + 1 > max_len:
+        raise RequestError(f"{where}: {num_tokens} tokens (+{t + 1} for one verify step) exceed "
+                           f"max_model_len={max_len}")
 
 
 def define_flags(flag_values=None, **defaults) -> None:
@@ -110,10 +133,10 @@ def define_flags(flag_values=None, **defaults) -> None:
     from absl import flags
 
     fv = flag_values or flags.FLAGS
-    base = EngineConfig()
+    base, sched = EngineConfig(), SchedulerConfig()
     d = dict(num_speculative_tokens=base.num_speculative_tokens, kv_cache_dtype=base.kv_cache_dtype,
-             block_size=base.page_size, max_num_seqs=base.max_num_seqs, max_model_len=base.max_model_len,
-             speculative_length=base.speculative_length, max_num_batched_tokens=base.max_num_batched_tokens)
+             block_size=base.page_size, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
+             speculative_length=sched.speculative_length, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     unknown = set(defaults) - set(d)
     if unknown:
         raise ValueError(f"unknown engine flags {sorted(unknown)}")
@@ -142,11 +165,23 @@ def define_flags(flag_values=None, **defaults) -> None:
                          lower_bound=1, flag_values=fv)
 
 
-def from_flags(flag_values=None) -> EngineConfig:
-    """The EngineConfig of the parsed flags (raises RequestError on a bad combination)."""
+class ServingConfig(NamedTuple):
+    """What the command-line flags set: the engine's settings and the scheduler's."""
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+
+
+def from_flags(flag_values=None) -> ServingConfig:
+    """The engine's and the scheduler's settings of the parsed flags (raises RequestError on a bad
+    combination, before any model loads)."""
     from absl import flags
 
     fv = flag_values or flags.FLAGS
-    return EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
-                        page_size=fv.block_size, max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
-                        speculative_length=fv.speculative_length, max_num_batched_tokens=fv.max_num_batched_tokens)
+    engine = EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,
+                          page_size=fv.block_size)
+    scheduler = SchedulerConfig(max_num_seqs=fv.max_num_seqs, max_model_len=fv.max_model_len,
+                                speculative_length=fv.speculative_length,
+                                max_num_batched_tokens=fv.max_num_batched_tokens)
+    if scheduler.max_model_len is not None:
+        check_prompt(1, engine.num_speculative_tokens, scheduler.max_model_len, "--max_model_len")
+    return ServingConfig(engine, scheduler)

@@ -1,7 +1,7 @@
 """Continuous batching over cache slots: the one scheduling loop that `generate()`, the HTTP
 server, the benchmark and answer generation drive.
 
-`Request` is one sequence (its prompt, limits, sampling and what it produced); `Batcher` admits
+`Request` is one sequence (its prompt, limits, sampling and what it produced); `Scheduler` admits
 waiting requests into free slots, runs at most one prefill call of at most
 `max_num_batched_tokens` prompt tokens (a long prompt goes in chunk by chunk over several steps,
 holding its slot meanwhile), then runs one propose/verify `Engine.step` over the sequences whose
@@ -16,13 +16,11 @@ short sequence in a long-context server for its own length, with one program for
 pool and the slots stay as allocated; the rows carry their slot numbers (`Engine.step_fn`'s `rows_B`).
 
 Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
-measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
+measured cost of a step over its batch bucket (`dspark_jax.decode.spec_length`; `speculative_length=
 "fixed"`: always T). A bucket whose costs are not known yet is measured when first met
 (`measure_step_costs`, a few timed steps on padding rows per length), once per host and model;
-the wall time of every step run then corrects those figures (`StepTimes`).
-
-One module, over 450 lines: admission, chunking, the step-length choice and the program calls all
-read and write the same slot state (lengths, anchors, caches), which a split would pass around.
+the wall time of every step run then corrects those figures (`StepTimes`). The choice itself is
+`spec_length.LengthChoice`; the shape buckets are `dspark_jax.decode.buckets`.
 """
 
 from __future__ import annotations
@@ -36,25 +34,26 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.engine import Engine
+from dspark_jax.decode.buckets import batch_bucket, chunk_bucket, prefill_groups, time_bucket
+from dspark_jax.decode.config import SchedulerConfig, check_prompt
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.spec_length import LengthChoice, StepCosts
+from dspark_jax.decode.stats import SpecStats
 from dspark_jax.errors import RequestError
-from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
-from dspark_jax.stats import SpecStats
+from dspark_jax.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger("dspark_jax")
 
-_KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
-COST_REPS = 5             # timed rounds over the lengths per bucket; the fastest of each is kept
+_KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Scheduler._next_key`)
 
 
 @dataclass(eq=False)
 class Request:
-    """One sequence in the batcher: its prompt, limits and sampling, and what it produced."""
+    """One sequence in the scheduler: its prompt, limits and sampling, and what it produced."""
 
     prompt: list[int]
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY
     eos_ids: frozenset[int] = frozenset()
     stop_check: Callable[[list[int]], bool] | None = None
     index: int = 0                         # the caller's tag (the prompt index for a proposer)
@@ -65,7 +64,7 @@ class Request:
     prefilled: int = 0                     # prompt tokens already in the cache (chunked prefill)
 
 
-class Batcher:
+class Scheduler:
     """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
 
     Each `step()` admits waiting requests into free slots, runs one prefill call of at most
@@ -83,22 +82,15 @@ class Batcher:
     the calls `prefill_groups` splits them into (offline batches: `generate()`, answer generation,
     where no stream waits and admitting all at once gives the widest decode steps)."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int, max_len: int, *, seed: int = 0, proposer=None,
-                 speculative_length: str = "adaptive", step_costs: StepCosts | None = None,
-                 max_num_batched_tokens: int | None = None):
-        if max_num_seqs < 1:
-            raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise RequestError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.max_num_batched_tokens = max_num_batched_tokens
-        if speculative_length not in SPECULATIVE_LENGTHS:
-            raise RequestError(f"speculative_length must be one of {', '.join(SPECULATIVE_LENGTHS)}, "
-                               f"got {speculative_length!r}")
-        # the lengths a step may verify: T alone when fixed (or plain), else spec_length's set
-        self.lengths = (candidate_lengths(engine.t) if engine.t and speculative_length == "adaptive"
-                        else (engine.t,))
-        self._step_costs = step_costs        # None: the engine's measured ones (resolved on first use)
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(), *, seed: int = 0,
+                 proposer=None):
+        self.config = config
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        max_num_seqs, max_len = config.max_num_seqs, config.max_len_for(engine.target)
+        check_prompt(1, engine.t, max_len, "max_model_len")
         self.engine, self.num_slots, self.max_len = engine, max_num_seqs, max_len
+        self.length_choice = LengthChoice(engine, config.speculative_length, config.step_costs,
+                                          program_called=self._program_called, time_step=self._time_padding_step)
         self.caches = engine.new_caches(max_num_seqs, max_len)
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.lens = np.zeros(max_num_seqs, np.int32)       # tokens in the cache (= next position)
@@ -114,40 +106,27 @@ class Batcher:
         self._keys: collections.deque[np.ndarray] = collections.deque()
 
     @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.length_choice.lengths
+
+    @property
     def adaptive(self) -> bool:
-        return len(self.lengths) > 1
+        return self.length_choice.adaptive
 
     @property
     def step_costs(self) -> StepCosts:
-        if self._step_costs is None:
-            self._step_costs = self.engine.step_costs()
-        return self._step_costs
+        return self.length_choice.step_costs
 
     def reachable_lengths(self) -> tuple[int, ...]:
         """The lengths steps can verify (what the warm-up compiles)."""
-        return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
+        return self.length_choice.reachable()
 
-    def choose_length(self, rows: int, bucket: int | None = None, *, sampled: bool = False) -> int:
-        """The speculation length of a step over `rows` rows (a batch bucket) whose longest row
-        reaches `bucket` positions (`time_bucket`; None: max_len); measures the batch bucket's step
-        costs first if they are not known yet. Measured costs are corrected by the steps run so far
-        at that length bucket (`StepTimes`); a length is tried to measure it only where its program
-        for this step (`sampled`) has been compiled."""
-        reachable = self.reachable_lengths()
-        if len(reachable) == 1:              # a fixed length, or uniform costs: all the drafts
-            return reachable[0]
-        costs = self.step_costs.get(rows, self.lengths)
-        if costs is None:
-            costs = self.measure_step_costs(rows)
-        unseen, uncompiled, expired = (), (), ()
-        if self.step_costs.measured:
-            times, bucket = self.engine.step_times, bucket or self.max_len
-            costs, unseen = times.corrected(rows, bucket, costs)
-            if unseen:
-                called = self.engine.programs_called          # a set built from the held programs
-                uncompiled = [n for n in unseen if self._program_key(rows, n, sampled) not in called]
-                expired = [n for n in unseen if times.expired(rows, bucket, n)]
-        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled, expired=expired)
+    def measure_step_costs(self, rows: int) -> dict[int, float]:
+        """Measure the step costs of a batch bucket of `rows` rows (`LengthChoice.measure`)."""
+        return self.length_choice.measure(rows)
+
+    def _program_called(self, rows: int, length: int, sampled: bool) -> bool:
+        return self._program_key(rows, length, sampled) in self.engine.programs_called
 
     def _program_key(self, rows: int, length: int | None, sampled: bool, given: int | None = None) -> "StepProgram":
         """The step program a call over `rows` rows verifying `length` drafts (None: T) runs;
@@ -159,37 +138,19 @@ class Batcher:
         width = None if given is not None or length is None or length == t else length
         return StepProgram(self.num_slots, self.max_len, rows, width, given, sampled)
 
-    def measure_step_costs(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
-        """Time a greedy step over `rows` padding rows (nothing written; their attention reads one key
-        chunk, and grows with the context for every length alike) at each length: one call
-        per length to compile (or load) its program, then `reps` rounds over the lengths in turn
-        (a slow moment of the machine then hits every length alike), the fastest of each; recorded
-        in the step-cost table (and its file). Logs a line per length."""
+    def _time_padding_step(self, rows: int, length: int) -> float:
+        """Seconds of one greedy step over `rows` padding rows verifying `length` drafts (nothing
+        written; their attention reads one key chunk, and grows with the context for every length
+        alike)."""
         rows_B = np.full(rows, self.num_slots, np.int32)
         zeros = np.zeros(rows, np.int32)
         key = np.asarray(jax.random.PRNGKey(0))      # the requests' key stream stays as it is
-
-        def call(n: int) -> float:
-            # an engine without a draft model verifies given drafts (an external proposer's)
-            given = np.zeros((rows, n), np.int32) if self.engine.draft is None else None
-            t0 = time.perf_counter()
-            out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), 0.0, 1.0, given, n, key)
-            np.asarray(out[0])
-            return time.perf_counter() - t0
-
-        start = time.perf_counter()
-        for i, n in enumerate(self.lengths):
-            call(n)
-            log.info("step costs, %d rows: length %d compiled (%d/%d, %.1f s)", rows, n, i + 1, len(self.lengths),
-                     time.perf_counter() - start)
-        times = {n: [] for n in self.lengths}
-        for _ in range(reps):
-            for n in self.lengths:
-                times[n].append(call(n))
-        costs = {n: min(ts) for n, ts in times.items()}
-        log.info("step costs, %d rows: %s", rows, ", ".join(f"length {n} {1e3 * c:.2f} ms" for n, c in costs.items()))
-        self.step_costs.put(rows, costs)
-        return costs
+        # an engine without a draft model verifies given drafts (an external proposer's)
+        given = np.zeros((rows, length), np.int32) if self.engine.draft is None else None
+        t0 = time.perf_counter()
+        out = self._step_call(rows_B, zeros, zeros, np.zeros(rows, bool), GREEDY, given, length, key)
+        np.asarray(out[0])
+        return time.perf_counter() - t0
 
     def reset_stats(self) -> None:
         """Forget the statistics so far (the server's warm-up steps are not served traffic)."""
@@ -208,15 +169,12 @@ class Batcher:
         return bool(self.waiting) or self.num_running > 0
 
     def check(self, req: Request) -> None:
-        """Raise RequestError if `req` can never run in this batcher."""
+        """Raise RequestError if `req` can never run in this scheduler."""
         if not req.prompt:
             raise RequestError("the prompt is empty")
         if req.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = len(req.prompt) + self.engine.t + 1
-        if need > self.max_len:
-            raise RequestError(f"prompt of {len(req.prompt)} tokens (+{self.engine.t + 1} for one verify "
-                               f"step) exceeds max_model_len={self.max_len}")
+        check_prompt(len(req.prompt), self.engine.t, self.max_len)
 
     def add(self, req: Request) -> None:
         self.check(req)
@@ -259,11 +217,6 @@ class Batcher:
             raise
         return touched
 
-    def time_bucket(self, n: int) -> int:
-        """The bucket step times are kept by for a step whose longest row reaches `n` positions
-        (powers of two from 64, at most max_len): its attention costs what that row holds."""
-        return min(max(pow2(n), 64), self.max_len)
-
     def _next_key(self) -> np.ndarray:
         """A fresh PRNG key for one program call, as a host array. Keys are split off 64 at a time:
         one `jax.random.split` dispatch per step cost ~0.8 ms of host time at batch 1 on CPU."""
@@ -302,7 +255,7 @@ class Batcher:
         for j, (r, n) in enumerate(chunks):
             tokens[j, :n] = r.prompt[r.prefilled:r.prefilled + n]
             lens[j], starts[j] = n, r.prefilled
-        first = self.run_prefill(tokens, lens, rows, *sampling_rows([r for r, _ in chunks], len(rows)), starts)
+        first = self.run_prefill(tokens, lens, rows, batch_sampling([r for r, _ in chunks], len(rows)), starts)
         done = []
         for j, (r, n) in enumerate(chunks):
             r.prefilled += n
@@ -347,10 +300,10 @@ class Batcher:
         x0, lens = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
         x0[:m], lens[:m] = self.x0[slots], self.lens[slots]
         t = self.engine.t
-        temperature, top_p = sampling_rows([self.slots[i] for i in slots], len(rows))
+        sampling = batch_sampling([self.slots[i] for i in slots], len(rows))
         # step times are kept by the positions a speculative step would reach (one key for every length)
-        bucket = self.time_bucket(int(lens[:m].max()) + t + 1)
-        length = self.choose_length(len(rows), bucket, sampled=bool((temperature > 0).any())) if t else 0
+        bucket = time_bucket(int(lens[:m].max()) + t + 1, self.max_len)
+        length = self.length_choice.choose(len(rows), bucket, sampled=sampling.sampled) if t else 0
         started = time.perf_counter()
         drafts = None
         if t and not length:    # no drafts this step: a one-token step (the draft's context rows are still written)
@@ -359,7 +312,7 @@ class Batcher:
             drafts = np.zeros((len(rows), length), np.int32)
             for j, i in enumerate(slots):
                 drafts[j] = self.proposer(self.slots[i].index, self.slots[i].tokens, t)[:length]
-        n, emitted = self.run_step(rows, x0, lens, m, temperature, top_p, drafts, length=length)
+        n, emitted = self.run_step(rows, x0, lens, m, sampling, drafts, length=length)
         self.num_steps += 1
         touched = []
         for j, i in enumerate(slots):
@@ -393,40 +346,40 @@ class Batcher:
         rows[:len(slots)] = slots
         return rows
 
-    def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, temperature,
-                    top_p, starts_P: np.ndarray | None = None) -> np.ndarray:
+    def run_prefill(self, tokens_PS: np.ndarray, lens_P: np.ndarray, slots_P: np.ndarray, sampling: SamplingParams,
+                    starts_P: np.ndarray | None = None) -> np.ndarray:
         """One prefill call of prompt chunks at positions `starts_P`.. (None: 0; rows past the
         prompts: slot = number of slots, length 0); the tokens sampled after each chunk (at
-        `temperature` / `top_p`: numbers or per-row arrays). The
-        warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
+        `sampling`: numbers or per-row arrays). The
+        warm-up (`dspark_jax.decode.warmup`) calls it with padding rows only."""
         if starts_P is None:
             starts_P = np.zeros(len(lens_P), np.int32)
         first, self.caches = self.engine.prefill(tokens_PS, lens_P, slots_P, self.caches, self._next_key(),
-                                                 starts_P=starts_P, temperature=temperature, top_p=top_p)
+                                                 starts_P=starts_P, sampling=sampling)
         return np.asarray(first)
 
     def run_step(self, rows_B: np.ndarray, x0_B: np.ndarray, lens_B: np.ndarray, num_active: int,
-                 temperature, top_p, drafts_BT: np.ndarray | None = None, *, length: int | None = None):
+                 sampling: SamplingParams, drafts_BT: np.ndarray | None = None, *, length: int | None = None):
         """One decode step over the rows `rows_B` (`batch_rows`), the first `num_active` of them
         running, verifying `length` drafts of the draft's block (None: T) or `drafts_BT`.
         Returns (accepted [B], emitted [B, T+1]) on the host. The warm-up calls it with
         `num_active = 0`."""
         active = np.arange(len(rows_B)) < num_active
-        n, emitted = self._step_call(rows_B, x0_B, lens_B, active, temperature, top_p, drafts_BT, length,
+        n, emitted = self._step_call(rows_B, x0_B, lens_B, active, sampling, drafts_BT, length,
                                      self._next_key())
         return np.asarray(n), np.asarray(emitted)
 
-    def _step_call(self, rows_B, x0_B, lens_B, active_B, temperature, top_p, drafts_BT, length, key):
+    def _step_call(self, rows_B, x0_B, lens_B, active_B, sampling, drafts_BT, length, key):
         eng = self.engine
         if eng.t and length == 0 and drafts_BT is None:
             drafts_BT = np.zeros((len(rows_B), 0), np.int32)
-        program = self._program_key(len(rows_B), length, bool(np.any(np.asarray(temperature) > 0)),
+        program = self._program_key(len(rows_B), length, sampling.sampled,
                                     None if drafts_BT is None else drafts_BT.shape[1])
         # host arrays go to the program as they are (jit's own transfer; a jnp.asarray per input
         # cost more host time per step)
         n, emitted, self.caches = eng.step(x0_B, lens_B, active_B, np.int32(self.max_len), self.caches, key,
-                                           rows_B=rows_B, drafts_BT=drafts_BT, temperature=temperature,
-                                           top_p=top_p, width=program.width, tag=program)
+                                           rows_B=rows_B, drafts_BT=drafts_BT, sampling=sampling,
+                                           width=program.width, tag=program)
         return n, emitted
 
     def _maybe_finish(self, r: Request) -> bool:
@@ -456,72 +409,7 @@ class StepProgram(NamedTuple):
     sampled: bool
 
 
-def sampling_rows(reqs: Sequence[Request], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row (temperature, top_p) of a program call over `reqs` padded to `rows` rows (padding
+def batch_sampling(reqs: Sequence[Request], rows: int) -> SamplingParams:
+    """The per-row sampling settings of a program call over `reqs` padded to `rows` rows (padding
     rows greedy)."""
-    temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-    for j, r in enumerate(reqs):
-        temperature[j], top_p[j] = max(r.temperature, 0.0), r.top_p
-    return temperature, top_p
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (shape buckets: few compilations)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def batch_bucket(n: int, num_slots: int) -> int:
-    """Rows of a program call over n sequences: powers of two, capped at the slot count."""
-    return min(pow2(n), num_slots)
-
-
-def batch_buckets(n: int, num_slots: int) -> list[int]:
-    """The batch buckets of program calls over 1..n sequences, ascending."""
-    return sorted({batch_bucket(k, num_slots) for k in range(1, n + 1)})
-
-
-# What a prefill call costs beside its padded tokens (dispatch, a read of the weights), in tokens:
-# demo pair, bf16, 2-core AMD EPYC (AVX-512 BF16, no AMX, XLA_FLAGS unset), 2026-12-07: a call of
-# 1 x 64 tokens took 48 ms, of 8 x 64 210 ms and of 8 x 128 394 ms (0.4 ms a token, ~25 ms a call).
-PREFILL_CALL_TOKENS = 64
-
-
-def prefill_groups(lengths: Sequence[int], num_slots: int) -> list[list[int]]:
-    """Whole prompts of `lengths` split into prefill calls (indices into `lengths`, longest first):
-    a call pads its rows to a batch bucket and its prompts to the longest one's prompt bucket, so
-    one call over prompts of very different lengths computes mostly padding, and so do padding rows.
-    The split minimises the padded tokens plus `PREFILL_CALL_TOKENS` a call (fewer calls among
-    equals)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
-    # best[i]: (cost, end of the first call) of the calls over order[i:], each padded to its longest
-    # prompt. The rest costs no more the fewer prompts it holds, so a first call takes as many as its
-    # batch bucket holds: its ends to try are i + 1, 2, 4, ... rows (and the last prompt, the slots).
-    best = [(0, n)] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        width = prefill_bucket(lengths[order[i]])
-        ends, rows = {n, min(i + num_slots, n)}, 1
-        while rows < min(num_slots, n - i):
-            ends.add(i + rows)
-            rows *= 2
-        best[i] = min(((batch_bucket(j - i, num_slots) * width + PREFILL_CALL_TOKENS + best[j][0], j)
-                       for j in ends if j - i <= num_slots), key=lambda c: (c[0], -c[1]))
-    groups, i = [], 0
-    while i < n:
-        groups.append(order[i:best[i][1]])
-        i = best[i][1]
-    return groups
-
-
-def chunk_bucket(n: int, budget: int | None) -> int:
-    """Width of a prefill call whose longest chunk is n <= budget tokens: its prompt bucket, at
-    most the budget (None: no bound)."""
-    return prefill_bucket(n) if budget is None else min(prefill_bucket(n), budget)
-
-
-def prefill_bucket(n: int) -> int:
-    """Prefill length buckets: few compilations, bounded padding."""
-    b = 16
-    while b < n:
-        b *= 2
-    return b
+    return SamplingParams.batch([r.sampling for r in reqs], rows)

@@ -1,5 +1,5 @@
 """Distillation plan: does one training step of a draft with its Kimi teacher fit the training mesh,
-and what does it cost? Abstract models, AOT compile, no weights (as dspark_jax/plan.py for serving).
+and what does it cost? Abstract models, AOT compile, no weights (as dspark_jax/plan/serving.py for serving).
 
 The program compiled is the trainer's own step (`Trainer.lower_step`: teacher, DSpark loss over
 the anchors, gradient accumulation, clipping, AdamW) on the training mesh of `train_mesh`, with
@@ -32,7 +32,7 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
-from dspark_jax.plan import GIB, ProgramReport, compile_program
+from dspark_jax.plan.serving import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import teacher as teacher_lib
 from dspark_jax.train import train_mesh

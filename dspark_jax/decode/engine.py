@@ -10,15 +10,15 @@
   Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.programs`:
+static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.decode.programs`:
 the least recently used are dropped near the process's memory-mapping limit); its rows name their
 cache slots, so a call computes the running sequences only (padding rows write nothing), and its
 attention reads keys as far as its longest row reaches (`layers.paged_attention`), so no program
 depends on the sequences' lengths. `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
-warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
+warm-up). The scheduling loop over these programs is `dspark_jax.decode.scheduler.Scheduler`; the engine
 keeps what it chooses the speculation length from (`acceptance`, `step_costs()`, `step_times`,
-`dspark_jax.spec_length`), shared by every batcher that drives it.
+`dspark_jax.decode.spec_length`), shared by every scheduler that drives it.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from dspark_jax import steps
 from dspark_jax.cache import PagedPool, TargetCaches, bits_storage, storage_dtype
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode import steps
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.programs import CompiledPrograms
+from dspark_jax.decode.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
 from dspark_jax.errors import RequestError
-from dspark_jax.programs import CompiledPrograms
-from dspark_jax.sampling import sample_tokens
+from dspark_jax.sampling import GREEDY, SamplingParams, sample_tokens
 from dspark_jax.sharding import logical_to_spec
-from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
 
 
 def embed_and_head(target):
@@ -58,10 +58,10 @@ def pool_geometry(target, draft) -> tuple[int, int]:
 class Engine:
     """Split models and the jitted programs for one (target, draft, EngineConfig) setting.
 
-    Sampling settings are per row and traced (`temperature_B`, `top_p_B`), so requests of any
+    Sampling settings are per row and traced (`SamplingParams` of [B] arrays), so requests of any
     settings share a step and compile nothing new; the one static flag, `sampled`, says whether
     any row samples: an all-greedy step runs a program without the sampling work. Calls pass
-    `temperature` / `top_p` as numbers or per-row arrays (None: greedy). `draft=None` with T > 0
+    `sampling` as numbers or per-row arrays (None: greedy). `draft=None` with T > 0
     verifies drafts given to `step` (an external proposer)."""
 
     def __init__(self, target, draft, config: EngineConfig = EngineConfig(), *, serving_layout: bool = False):
@@ -80,7 +80,7 @@ class Engine:
         self.acceptance = AcceptanceEstimate(self.t)
         self.step_times = StepTimes()        # what its steps took, host loop included
         # the programs called or compiled so far, one jit per shape, least recently used dropped near
-        # the process's memory-mapping limit (`dspark_jax.programs`)
+        # the process's memory-mapping limit (`dspark_jax.decode.programs`)
         self.programs = CompiledPrograms()
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
@@ -116,12 +116,12 @@ class Engine:
     @property
     def programs_called(self) -> set:
         """The step programs called or compiled and still held, by the tag their caller gave
-        (`Batcher._program_key`)."""
+        (`Scheduler._program_key`)."""
         return self.programs.tags()
 
     def step_costs(self) -> StepCosts:
         """The measured step costs of this engine's programs on the host it runs on (loaded from the cost
-        cache on first use; buckets not measured yet are measured by the batcher that meets them)."""
+        cache on first use; buckets not measured yet are measured by the scheduler that meets them)."""
         if self._step_costs is None:
             self._step_costs = costs_for(self)
         return self._step_costs
@@ -147,27 +147,27 @@ class Engine:
         self._d_state = state
         self._d_leaves, self._d_def = jax.tree.flatten(state) if state is not None else (None, None)
 
-    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
+    def prefill(self, tokens_PS, lens_P, slots_P, caches: TargetCaches, key, *, sampling: SamplingParams = GREEDY,
+                **kw):
         """(first tokens [P], caches): see `prefill_fn`."""
         # one program for greedy and sampled prompts: it samples one position per row (rows at
         # temperature 0 take the argmax), so a greedy variant would save nothing and double the programs
         return self._call("prefill", self._t_leaves, self._d_leaves, tokens_PS, lens_P, slots_P, caches, key,
-                          serving=self.serving, **{**sampling_args(len(lens_P), temperature, top_p), "sampled": True},
-                          **kw)
+                          serving=self.serving, sampling=sampling.rows(len(lens_P)), sampled=True, **kw)
 
-    def propose(self, x0_B, lens_B, caches: TargetCaches, key, *, temperature=None, top_p=None, **kw):
+    def propose(self, x0_B, lens_B, caches: TargetCaches, key, *, sampling: SamplingParams = GREEDY, **kw):
         """(drafts [B,T], draft logits [B,T,V], confidence [B,T], caches): see `propose_fn`."""
         return self._call("propose", self._t_leaves, self._d_leaves, x0_B, lens_B, caches, key,
-                          serving=self.serving, draft_head=self.draft_head,
-                          **sampling_args(len(x0_B), temperature, top_p), **kw)
+                          serving=self.serving, draft_head=self.draft_head, sampling=sampling.rows(len(x0_B)),
+                          sampled=sampling.sampled, **kw)
 
-    def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None, temperature=None,
-             top_p=None, tag=None, **kw):
+    def step(self, x0_B, lens_B, active_B, max_len, caches: TargetCaches, key, *, drafts_BT=None,
+             sampling: SamplingParams = GREEDY, tag=None, **kw):
         """(accepted [B], emitted [B,T+1], caches): see `step_fn`. `tag`: what the caller calls this
         program (`programs_called`)."""
         return self._call("step", self._t_leaves, self._d_leaves, x0_B, drafts_BT, lens_B, active_B, max_len,
                           caches, key, serving=self.serving, draft_head=self.draft_head, tag=tag,
-                          **sampling_args(len(x0_B), temperature, top_p), **kw)
+                          sampling=sampling.rows(len(x0_B)), sampled=sampling.sampled, **kw)
 
     @contextlib.contextmanager
     def compile_only(self):
@@ -256,7 +256,7 @@ class Engine:
         return target, draft
 
     def prefill_fn(self, t_state, d_state, tokens_PS, lens_P, slots_P, caches, key, *, starts_P=None, serving=None,
-                   temperature_B=None, top_p_B=None, sampled: bool = False):
+                   sampling: SamplingParams = GREEDY, sampled: bool = False):
         """Prefill P sequences' prompt chunks into cache slots `slots_P` (padding rows: slot =
         number of slots, length 0) while the other slots keep their state: only these rows run.
         Row p holds `lens_P[p]` tokens at positions `starts_P[p]`.. (None: every row from 0, a
@@ -265,7 +265,7 @@ class Engine:
         the earlier chunks wrote. The rows see the pool through their own block-table rows; their
         new KDA states are scattered back into their slots. The token sampled after a row's last
         token is its first generated token when the chunk ends the prompt (meaningless otherwise);
-        drawn at the row's `temperature_B`/`top_p_B` when `sampled`, else greedy."""
+        drawn at the row's `sampling` when `sampled`, else greedy."""
         target, draft = self.merge(t_state, d_state)
         p, s = tokens_PS.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
@@ -285,7 +285,7 @@ class Engine:
         # the lm_head on the last row of the chunk alone, not on all S rows
         out, sub, _ = steps.target_forward(target, tokens_PS, positions, valid, sub, self.aux_ids, verify=False,
                                            weights=serving, logits_rows_BR=last_P[:, None])
-        first = sample_tokens(out.logits[:, 0], temperature_B, top_p_B, key if sampled else None)
+        first = sample_tokens(out.logits[:, 0], sampling, key if sampled else None)
         pool = sub.pool
         if draft is not None:
             pool = steps.draft_context(draft, out.aux_hidden, positions, valid, pool, target.attention_rows)
@@ -295,7 +295,7 @@ class Engine:
         return first, self._pinned(TargetCaches(pool._replace(block_table=full_table), kda))
 
     def propose_fn(self, t_state, d_state, x0_B, lens_B, caches, key, *, rows_B=None, serving=None,
-                   draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False):
+                   draft_head=None, sampling: SamplingParams = GREEDY, sampled: bool = False):
         """The draft's block pass alone (profiling times it on its own).
         `rows_B`: the slot of each row (`step_fn`). `draft_head`: the draft's lm_head rows when
         its vocabulary is reduced (else the target's)."""
@@ -305,12 +305,12 @@ class Engine:
         embed, head = embed_and_head(target)
         prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B, pool,
                                  target.attention_rows, self.t,
-                                 temperature=temperature_B, top_p=top_p_B, key=key if sampled else None)
+                                 sampling=sampling, key=key if sampled else None)
         caches = caches._replace(pool=prop.pool._replace(block_table=full_table))
         return prop.tokens_BT, prop.logits_BTV, prop.confidence_BT, self._pinned(caches)
 
     def step_fn(self, t_state, d_state, x0_B, given_drafts_BT, lens_B, active_B, max_len, caches, key, *,
-                rows_B=None, serving=None, draft_head=None, temperature_B=None, top_p_B=None, sampled: bool = False,
+                rows_B=None, serving=None, draft_head=None, sampling: SamplingParams = GREEDY, sampled: bool = False,
                 width: int | None = None):
         """One propose/verify step over B rows; inactive rows write nothing and keep their KDA
         state. `rows_B`: the cache slot of each row (padding rows: the number of slots, inactive),
@@ -319,7 +319,7 @@ class Engine:
         draft model's block pass: an external proposer's drafts (greedy only), or none (width 0:
         a one-token step). `width`: drafts verified from the draft's block (None: all T), drafted
         by a block of that many rows (`steps.draft_block`). `sampled`: some rows sample (at their
-        `temperature_B` / `top_p_B`; rows at temperature 0 stay greedy); False: every row is greedy."""
+        `sampling`; rows at temperature 0 stay greedy); False: every row is greedy."""
         target, draft = self.merge(t_state, d_state)
         full_table, full_kda = caches.pool.block_table, caches.kda
         caches = TargetCaches(caches.pool._replace(block_table=rows_table(caches.pool, rows_B)),
@@ -333,8 +333,8 @@ class Engine:
             embed, head = embed_and_head(target)
             prop = steps.draft_block(draft, embed, head if draft_head is None else draft_head, x0_B, lens_B,
                                      caches.pool, target.attention_rows, self.t,
-                                     temperature=temperature_B, top_p=top_p_B,
-                                     key=k_draft if sampled else None, active_B=active_B, width=width)
+                                     sampling=sampling, key=k_draft if sampled else None, active_B=active_B,
+                                     width=width)
             drafts, draft_logits = prop.tokens_BT, prop.logits_BTV
             # on with the pool holding the block's draft rows (draft_context overwrites them below):
             # going on from the pool before them would keep two versions of the whole pool alive,
@@ -350,9 +350,9 @@ class Engine:
                                                   verify=True, weights=serving)
         limit = jnp.maximum(max_len - lens_B - 1, 0)
         if sampled and draft_logits is not None and t > 0:
-            acc = steps.accept_sampling(out.logits, draft_logits, drafts, temperature_B, top_p_B, k_acc, limit_B=limit)
+            acc = steps.accept_sampling(out.logits, draft_logits, drafts, sampling, k_acc, limit_B=limit)
         elif sampled:
-            tok = sample_tokens(out.logits[:, 0], temperature_B, top_p_B, k_acc)
+            tok = sample_tokens(out.logits[:, 0], sampling, k_acc)
             acc = steps.Acceptance(jnp.zeros((b,), jnp.int32), tok[:, None])
         else:
             acc = steps.accept_greedy(out.logits, drafts, limit_B=limit)
@@ -399,11 +399,3 @@ def rows_table(pool: PagedPool, rows_B):
         return pool.block_table
     return jnp.take(pool.block_table, rows_B, axis=0, mode="fill", fill_value=pool.pages.shape[1])
 
-
-def sampling_args(rows: int, temperature=None, top_p=None) -> dict:
-    """A program call's sampling arguments from numbers or per-row arrays (None: greedy, top_p
-    1): `temperature_B`, `top_p_B` [rows] float32 and the static `sampled` (any row at a
-    temperature above 0)."""
-    t = np.broadcast_to(np.asarray(0.0 if temperature is None else temperature, np.float32), (rows,))
-    p = np.broadcast_to(np.asarray(1.0 if top_p is None else top_p, np.float32), (rows,))
-    return {"temperature_B": t, "top_p_B": p, "sampled": bool((t > 0).any())}

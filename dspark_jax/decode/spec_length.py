@@ -11,12 +11,12 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   step of an engine, with a prior so it starts sensibly and keeps an estimate for positions it
   rarely verifies.
 - `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
-  (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
+  (`Scheduler.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
   pair's configs, the dtypes, T, the page size, how attention reads the pool (its key chunk) and
   the library's source.
 - `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
-  bucket, length bucket (`Batcher.time_bucket`: the positions its longest row reaches) and L. A
+  bucket, length bucket (`Scheduler.time_bucket`: the positions its longest row reaches) and L. A
   measured table times the program alone, on padding rows (the shortest length); what a step
   costs in the loop can differ by more than the margin between two lengths, so the observed
   medians replace the table's figures, and the table, scaled by what was observed beside it,
@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -288,3 +289,78 @@ def choose_length(acceptance: AcceptanceEstimate, costs: dict[int, float], unsee
     trial = [n for n in unseen if n != best and n not in uncompiled
              and ((n == 0 and n not in expired) or rate[n] >= margin * rate[best])]
     return max(trial, key=lambda n: (rate[n], -n)) if trial else best
+
+
+COST_REPS = 5             # timed rounds over the lengths per bucket; the fastest of each is kept
+
+
+class LengthChoice:
+    """The speculation length of each step of one scheduler: the lengths it may verify (T alone
+    when fixed or plain, else `candidate_lengths`), the step-cost table (the engine's measured one
+    unless given) and the argmax over them, corrected by the engine's observed step times.
+
+    `program_called(rows, length, sampled)` says whether the step program a length would run is
+    compiled already; `time_step(rows, length)` times one greedy step over padding rows (for
+    measuring a bucket's costs)."""
+
+    def __init__(self, engine, speculative_length: str, step_costs: StepCosts | None,
+                 program_called: Callable[[int, int, bool], bool], time_step: Callable[[int, int], float]):
+        self.engine = engine
+        self.lengths = (candidate_lengths(engine.t) if engine.t and speculative_length == "adaptive"
+                        else (engine.t,))
+        self._step_costs = step_costs        # None: the engine's measured ones (resolved on first use)
+        self._program_called, self._time_step = program_called, time_step
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.lengths) > 1
+
+    @property
+    def step_costs(self) -> StepCosts:
+        if self._step_costs is None:
+            self._step_costs = self.engine.step_costs()
+        return self._step_costs
+
+    def reachable(self) -> tuple[int, ...]:
+        """The lengths steps can verify (what the warm-up compiles)."""
+        return self.step_costs.reachable(self.lengths) if self.adaptive else self.lengths
+
+    def choose(self, rows: int, bucket: int, *, sampled: bool = False) -> int:
+        """The length of a step over `rows` rows (a batch bucket) whose longest row reaches `bucket`
+        positions (`buckets.time_bucket`); measures the batch bucket's step costs first if they are
+        not known yet. Measured costs are corrected by the steps run so far at that length bucket
+        (`StepTimes`); a length is tried to measure it only where its program for this step
+        (`sampled`) has been compiled."""
+        reachable = self.reachable()
+        if len(reachable) == 1:              # a fixed length, or uniform costs: all the drafts
+            return reachable[0]
+        costs = self.step_costs.get(rows, self.lengths)
+        if costs is None:
+            costs = self.measure(rows)
+        unseen, uncompiled, expired = (), (), ()
+        if self.step_costs.measured:
+            times = self.engine.step_times
+            costs, unseen = times.corrected(rows, bucket, costs)
+            if unseen:
+                uncompiled = [n for n in unseen if not self._program_called(rows, n, sampled)]
+                expired = [n for n in unseen if times.expired(rows, bucket, n)]
+        return choose_length(self.engine.acceptance, costs, unseen, uncompiled=uncompiled, expired=expired)
+
+    def measure(self, rows: int, *, reps: int = COST_REPS) -> dict[int, float]:
+        """Time a greedy step over `rows` padding rows at each length: one call per length to compile
+        (or load) its program, then `reps` rounds over the lengths in turn (a slow moment of the
+        machine then hits every length alike), the fastest of each; recorded in the step-cost table
+        (and its file). Logs a line per length."""
+        start = time.perf_counter()
+        for i, n in enumerate(self.lengths):
+            self._time_step(rows, n)
+            log.info("step costs, %d rows: length %d compiled (%d/%d, %.1f s)", rows, n, i + 1, len(self.lengths),
+                     time.perf_counter() - start)
+        times = {n: [] for n in self.lengths}
+        for _ in range(reps):
+            for n in self.lengths:
+                times[n].append(self._time_step(rows, n))
+        costs = {n: min(ts) for n, ts in times.items()}
+        log.info("step costs, %d rows: %s", rows, ", ".join(f"length {n} {1e3 * c:.2f} ms" for n, c in costs.items()))
+        self.step_costs.put(rows, costs)
+        return costs

@@ -3,27 +3,26 @@ shares with the server, the benchmark and answer generation (prompt encoding, en
 ids, stop strings, output text).
 
 It validates the call, builds (or reuses) the `Engine` for its setting and runs every prompt
-through one `Batcher`. `draft=None` or `num_speculative_tokens=0` is plain decoding through the
+through one `Scheduler`. `draft=None` or `num_speculative_tokens=0` is plain decoding through the
 same code (`EngineConfig.for_pair`).
 """
 
 from __future__ import annotations
 
 import collections
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
-from dspark_jax.batcher import Batcher, Request, pow2
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.buckets import pow2
+from dspark_jax.decode.config import EngineConfig, SchedulerConfig, check_prompt, position_limit
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.requests import encode_prompt, eos_ids, output_text, stop_checker, tokenizer_for
+from dspark_jax.decode.scheduler import Request, Scheduler
+from dspark_jax.decode.spec_length import StepCosts
+from dspark_jax.decode.stats import SpecStats
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
-from dspark_jax.spec_length import StepCosts
-from dspark_jax.sources import source_of
-from dspark_jax.stats import SpecStats
+from dspark_jax.sampling import SamplingParams
 
 
 @dataclass
@@ -65,7 +64,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
     by chunk, between the decode steps of those already in; output is unchanged); None (the
     default): every prompt whole, all before the first decode step, in calls of prompts of like
-    length (`batcher.prefill_groups`; the server's default is 2048).
+    length (`buckets.prefill_groups`; the server's default is 2048).
     `max_num_seqs`: sequences decoded at once (cache slots); a prompt waits for a slot, taken as
     soon as a sequence finishes (continuous batching, as the server does), so a cache for this
     many sequences is allocated rather than one for every prompt. None (the default): all prompts at once.
@@ -78,13 +77,15 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     if draft is not None and (isinstance(draft, str) or hasattr(draft, "__fspath__")):
         draft = load_draft(draft, dtype=target.dtype)
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype,
-                          page_size=page_size, max_model_len=max_model_len, speculative_length=speculative_length,
-                          step_costs=step_costs, max_num_batched_tokens=max_num_batched_tokens)
+                          page_size=page_size)
+    scheduling = SchedulerConfig(max_num_seqs=max_num_seqs or 1, max_model_len=max_model_len,
+                                 speculative_length=speculative_length, step_costs=step_costs,
+                                 max_num_batched_tokens=max_num_batched_tokens)
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     draft, config = config.for_pair(draft, proposer=proposer)
     if proposer is not None and temperature > 0:
         raise RequestError("an external proposer supports greedy verification only (temperature=0)")
-    if max_num_seqs is not None and max_num_seqs < 1:
-        raise RequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_new_tokens < 1:
         raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -101,11 +102,9 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     t = config.num_speculative_tokens
     longest = max(len(p) for p in ids)
-    limit = max_model_len or default_max_len(target)
+    limit = max_model_len or position_limit(target)
     for i, p in enumerate(ids):
-        if len(p) + t + 1 > limit:
-            raise RequestError(f"prompts[{i}]: {len(p)} tokens (+{t + 1} for one verify step) exceed "
-                               f"max_model_len={limit}")
+        check_prompt(len(p), t, limit, f"prompts[{i}]")
     # bucketed (powers of two) so repeated calls reuse compiled steps
     max_len = min(limit, max(128, pow2(longest + max_new_tokens + t + 1)))
     eos = frozenset(eos_ids(target, tokenizer))
@@ -114,11 +113,10 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     if engine is None:
         engine = engine_for(target, draft, config)
-    batcher = Batcher(engine, min(max_num_seqs or len(ids), len(ids)), max_len, seed=seed, proposer=proposer,
-                      speculative_length=config.speculative_length, step_costs=config.step_costs,
-                      max_num_batched_tokens=config.max_num_batched_tokens)
-    reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
-                        for i, p in enumerate(ids)])
+    scheduling = scheduling.replace(max_num_seqs=min(max_num_seqs or len(ids), len(ids)), max_model_len=max_len)
+    scheduler = Scheduler(engine, scheduling, seed=seed, proposer=proposer)
+    reqs = scheduler.run([Request(p, max_new_tokens, SamplingParams(temperature, top_p), eos, check, index=i)
+                          for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
     for r in reqs:
         total.merge(r.stats)
@@ -145,94 +143,8 @@ def engine_for(target, draft, config: EngineConfig) -> Engine:
     while len(_ENGINES) > MAX_CACHED_TARGETS:
         _ENGINES.popitem(last=False)
     per_target = entry[1]
-    programs = config.replace(max_num_seqs=1, max_model_len=None, speculative_length="adaptive", step_costs=None,
-                              max_num_batched_tokens=None)
-    key = (id(draft), programs, kernel_mode(), mla_paged_min_keys())
+    key = (id(draft), config, kernel_mode(), mla_paged_min_keys())
     eng = per_target.get(key)
     if eng is None or eng.draft is not draft:
         eng = per_target[key] = Engine(target, draft, config)
     return eng
-
-
-# ---------------------------------------------------------------------------------------------
-# request helpers shared with the server and the benchmark
-
-
-# tokenizers per target: loading SmolLM2's tokenizer.json took ~130 ms, paid by every generate()
-_TOKENIZERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
-
-
-def tokenizer_for(target):
-    """The tokenizer of a target loaded with `load_target` (None if its directory is unknown),
-    loaded once per target and directory."""
-    source = source_of(target)
-    if source is None:
-        return None
-    cached = _TOKENIZERS.get(target)
-    if cached is not None and cached[0] == source:
-        return cached[1]
-    from dspark_jax.tokenizer import load_tokenizer
-    tok = load_tokenizer(source)
-    _TOKENIZERS[target] = (source, tok)
-    return tok
-
-
-def eos_ids(target, tokenizer) -> set[int]:
-    """Every token id that ends generation: the config's and the tokenizer's."""
-    eos = set()
-    if target.cfg.eos_token_id is not None:
-        eos.add(int(target.cfg.eos_token_id))
-    if tokenizer is not None:
-        eos |= set(tokenizer.eos_token_ids)
-    return eos
-
-
-def stop_checker(stops: Sequence[str], tokenizer) -> Callable[[list[int]], bool] | None:
-    """A per-token check 'does the decoded output contain a stop string'. It runs after every
-    token, so a stop string first shows up at the tail: only a window of tokens wide enough for
-    the longest stop string (each token decodes to at least a byte) is decoded, not the whole
-    output."""
-    if not stops or tokenizer is None:
-        return None
-    window = 2 * max(len(s.encode()) for s in stops) + 8
-
-    def check(out: list[int]) -> bool:
-        text = tokenizer.decode(out[-window:])
-        return any(s in text for s in stops)
-    return check
-
-
-def output_text(tokens: Sequence[int], tokenizer, eos: frozenset[int] | set[int], stops: Sequence[str]) -> str:
-    """The text of generated tokens: end-of-sequence ids dropped, cut before the first stop string."""
-    text = tokenizer.decode([x for x in tokens if x not in eos])
-    for s in stops:
-        if s in text:
-            text = text[:text.index(s)]
-    return text
-
-
-def default_max_len(target) -> int:
-    """The target's position limit (max_position_embeddings; 4096 when the config has none)."""
-    cfg = target.cfg
-    return int(getattr(cfg, "max_position_embeddings", 0) or 4096)
-
-
-def encode_prompt(prompt, tokenizer, chat: bool, where: str = "prompt") -> list[int]:
-    """Token ids of a prompt: token ids as given, a string (wrapped as one user turn and rendered
-    with the chat template when `chat`) or a list of `{"role", "content"}` messages."""
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, (int, np.integer)) for x in prompt):
-        return [int(x) for x in prompt]
-    if tokenizer is None:
-        raise RequestError(f"{where}: text prompts need a tokenizer (pass tokenizer= or load the "
-                           "target with load_target so its tokenizer is found)")
-    if isinstance(prompt, str):
-        if not chat:
-            return tokenizer.encode(prompt)
-        prompt = [{"role": "user", "content": prompt}]
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        for j, m in enumerate(prompt):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RequestError(f"{where}[{j}]: a message needs string 'role' and 'content'")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
-        return tokenizer.encode(text)
-    raise RequestError(f"{where}: expected a string, a list of messages or a list of token ids")

@@ -7,7 +7,7 @@
 - `draft_block`: the draft's block pass from the pool + Markov-head drafting + confidence.
 - `accept`: greedy verification, and lossless rejection sampling for temperature > 0.
 
-Generation (`dspark_jax.generate`) calls them on caches; distillation calls `target_forward`'s
+Generation (`dspark_jax.decode.generate`) calls them on caches; distillation calls `target_forward`'s
 cacheless sibling (`target.forward`) as the teacher and the draft's `block_hidden` in its
 multi-anchor form.
 """
@@ -24,7 +24,7 @@ from dspark_jax.layers.kda import KDASnapshots
 from dspark_jax.models.dspark import block_input_ids
 from dspark_jax.models.target import ForwardOutput
 from dspark_jax.numerics import argmax
-from dspark_jax.sampling import filter_logits, markov_draft
+from dspark_jax.sampling import GREEDY, SamplingParams, filter_logits, markov_draft
 
 
 def target_forward(target, tokens_BT: jax.Array, positions_BT: jax.Array, valid_BT: jax.Array,
@@ -77,7 +77,7 @@ class DraftProposal(NamedTuple):
 
 def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax.Array,
                 anchor_pos_B: jax.Array, pool: PagedPool, first_row: int, num_tokens: int, *,
-                temperature=0.0, top_p=1.0, key: jax.Array | None = None,
+                sampling: SamplingParams = GREEDY, key: jax.Array | None = None,
                 active_B: jax.Array | None = None, width: int | None = None) -> DraftProposal:
     """One block pass: block `[x0, M x (T-1)]` at positions p..p+T-1 (x0 = anchor at p) attends to
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
@@ -106,10 +106,10 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
 
     h_BTD = draft.block_hidden_with(jnp.take(embed_VD, ids_BT, axis=0).astype(dtype), attend)
     base_BTV = draft.base_logits(h_BTD, lm_head_VD)
-    tokens, logits = markov_draft(draft, base_BTV, anchor_B, temperature, top_p, key)
+    tokens, logits = markov_draft(draft, base_BTV, anchor_B, sampling, key)
     # over target ids: a reduced draft vocabulary gives zero probability outside the kept set, so
     # rejection sampling's residual max(p - q, 0) is p there and verification stays lossless
-    logits = draft.scatter_to_target(logits)
+    logits = draft.gather_to_target(logits)
     conf = None
     if cfg.enable_confidence_head:
         prev = jnp.concatenate([anchor_B[:, None], tokens[:, :-1]], 1)
@@ -142,18 +142,18 @@ def _leading_true(match_BT: jax.Array) -> jax.Array:
 
 
 def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, drafts_BT: jax.Array,
-                    temperature, top_p, key: jax.Array, limit_B: jax.Array | None = None) -> Acceptance:
+                    sampling: SamplingParams, key: jax.Array, limit_B: jax.Array | None = None) -> Acceptance:
     """Lossless speculative sampling: accept d_k with prob min(1, p(d_k)/q(d_k)); at the first
     rejection emit a sample of the residual norm(max(p - q, 0)); if all accepted, a bonus sample
     from p at the last row. p, q are the target's and the draft's (Markov-biased) distributions
     after the same temperature/top-p; q may be zero (-inf logits) outside a reduced draft
     vocabulary (drafts never fall there). `limit_B` caps the drafts each row verifies (room left,
     or the confidence schedule): a cut made without looking at the target keeps this lossless.
-    `temperature`, `top_p`: numbers, or per-row arrays [B]; rows at temperature 0 are verified
+    `sampling`: numbers, or per-row arrays [B]; rows at temperature 0 are verified
     greedily (`accept_greedy`), so one program serves a batch of mixed settings."""
     b, t = drafts_BT.shape
-    logp = filter_logits(target_logits_BT1V, temperature, top_p)       # [B,T+1,V]
-    logq = filter_logits(draft_logits_BTV, temperature, top_p)          # [B,T,V]
+    logp = filter_logits(target_logits_BT1V, sampling)       # [B,T+1,V]
+    logq = filter_logits(draft_logits_BTV, sampling)          # [B,T,V]
     k_u, k_res = jax.random.split(key)
     p_d = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BT[..., None], -1)[..., 0])
     q_d = jnp.exp(jnp.take_along_axis(logq, drafts_BT[..., None], -1)[..., 0])
@@ -176,9 +176,9 @@ def accept_sampling(target_logits_BT1V: jax.Array, draft_logits_BTV: jax.Array, 
     fix = jax.random.categorical(k_res, jnp.log(resid_n), axis=-1).astype(drafts_BT.dtype)
     emitted = jnp.concatenate([drafts_BT, jnp.zeros_like(drafts_BT[:, :1])], 1)
     emitted = emitted.at[jnp.arange(b), n].set(fix)
-    if isinstance(temperature, (int, float)):
+    if isinstance(sampling.temperature, (int, float)):
         return Acceptance(n, emitted)
     greedy = accept_greedy(target_logits_BT1V, drafts_BT, limit_B)
-    drawn_B = jnp.asarray(temperature) > 0
+    drawn_B = jnp.asarray(sampling.temperature) > 0
     return Acceptance(jnp.where(drawn_B, n, greedy.num_accepted_B),
                       jnp.where(drawn_B[:, None], emitted, greedy.emitted_BT1))
