@@ -64,7 +64,7 @@ print(time.perf_counter() - t)
 _CONVERT = """
 import sys, time
 t = time.perf_counter()
-from dspark_jax.checkpoint.draft_io import convert_draft
+from dspark_jax.checkpoint.draft_convert import convert_draft
 import orbax.checkpoint.experimental.v1, tensorstore
 imports = time.perf_counter() - t
 t = time.perf_counter()

@@ -53,8 +53,9 @@ def main(argv):
     from dspark_jax.checkpoint.draft_io import load_draft
     from dspark_jax.data import answer_cache
     from dspark_jax.presets import resolve_model_path
-    from dspark_jax.train import regen, teacher
+    from dspark_jax.train import regen, teacher, teacher_shards
     from dspark_jax.train import trainer as trainer_lib
+    from dspark_jax.train import batches as batches_lib
     from dspark_jax.train.loss import LossConfig
 
     rows = answer_cache.read_cache(_DATA.value)
@@ -69,8 +70,8 @@ def main(argv):
                                   global_batch=_GLOBAL.value, micro_batch=_MICRO.value, max_len=_MAX_LEN.value,
                                   lr=1e-4, compute_dtype="float32",
                                   loss=LossConfig(block_size=7, num_anchors=_ANCHORS.value))
-    source = trainer_lib.SampleSource(samples[:n], seed=0, group=_GLOBAL.value)
-    batches = [trainer_lib.collate(source.take(_GLOBAL.value), cfg, offline=False) for _ in range(n // _GLOBAL.value)]
+    source = batches_lib.SampleSource(samples[:n], seed=0, group=_GLOBAL.value)
+    batches = [batches_lib.collate(source.take(_GLOBAL.value), cfg, offline=False) for _ in range(n // _GLOBAL.value)]
     clock = CompileClock()
     print(f"{n} answers of {_DATA.value} (mean length of all {len(samples)}: {mean_len:.0f} tokens), "
           f"micro-batches of {_MICRO.value}, padded lengths {sorted({b['input_ids'].shape[-1] for b in batches})}; "
@@ -113,21 +114,21 @@ def main(argv):
         row["top1_agreement_vs_f32"] = sum(int(a[0]) for a in agree) / tokens
         row["mean_tv_vs_f32"] = sum(float(a[1]) for a in agree) / tokens
         with tempfile.TemporaryDirectory(prefix="teacher_shards_") as tmp:
-            meta = teacher.ShardMeta(num_writers=1, shard_size=_GLOBAL.value, aux_layer_ids=aux_ids,
+            meta = teacher_shards.ShardMeta(num_writers=1, shard_size=_GLOBAL.value, aux_layer_ids=aux_ids,
                                      hidden_size=target.cfg.hidden_size,
                                      aux_width=len(aux_ids) * target.cfg.hidden_size, dtype=dtype,
                                      target=_TARGET.value, max_len=_MAX_LEN.value)
             timed = samples[:n]
             clock.reset()
             t0 = time.perf_counter()
-            teacher.write_teacher_shards(target, timed, tmp, writer=0, meta=meta, batch_size=_MICRO.value)
+            teacher_shards.write_teacher_shards(target, timed, tmp, writer=0, meta=meta, batch_size=_MICRO.value)
             row["shard_write_s_per_seq"] = (time.perf_counter() - t0 - clock.seconds) / n
             size = sum(p.stat().st_size for p in Path(tmp).iterdir())
             tokens_written = sum(len(s.input_ids) for s in timed)
             row["shard_bytes_per_token"] = size / tokens_written
             row["shard_gb_per_1000_answers"] = size / tokens_written * mean_len * 1000 / 1e9
             t0 = time.perf_counter()
-            stream = teacher.ShardStream(tmp, poll_seconds=0.1, timeout_seconds=1.0)
+            stream = teacher_shards.ShardStream(tmp, poll_seconds=0.1, timeout_seconds=1.0)
             for _ in range(n):
                 next(stream)
             row["shard_read_s_per_seq"] = (time.perf_counter() - t0) / n
@@ -162,10 +163,10 @@ class ShardBatches:
     """The global batches of a shard directory, collated as the trainer does (offline)."""
 
     def __init__(self, directory, n: int, cfg):
-        from dspark_jax.train import teacher
-        from dspark_jax.train import trainer as trainer_lib
-        src = trainer_lib.ShardSource(teacher.ShardStream(directory, poll_seconds=0.1, timeout_seconds=1.0))
-        self.batches = [trainer_lib.collate(src.take(cfg.global_batch), cfg, offline=True)
+        from dspark_jax.train import teacher_shards
+        from dspark_jax.train import batches as batches_lib
+        src = batches_lib.ShardSource(teacher_shards.ShardStream(directory, poll_seconds=0.1, timeout_seconds=1.0))
+        self.batches = [batches_lib.collate(src.take(cfg.global_batch), cfg, offline=True)
                         for _ in range(n // cfg.global_batch)]
 
     def __iter__(self):

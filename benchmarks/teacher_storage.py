@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--storages: name at least two dtypes (the first is the baseline)")
     from dspark_jax.decode.stats import paired_difference, paired_mean_difference
     from dspark_jax.hostinfo import describe_cpu
-    from dspark_jax.train import teacher
+    from dspark_jax.train import teacher_shards
 
     out = Path(_OUT.value)
     py = [sys.executable, "-m"]
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
     exports = {}
     for s in _STORAGES.value:
         shards = out / f"teacher-{s}"
-        if not (shards / teacher.done_name(0)).exists() or _DRY.value:
+        if not (shards / teacher_shards.done_name(0)).exists() or _DRY.value:
             timings[s]["teacher_s"] = _run(py + [
                 "train.teacher", f"--target={_TARGET.value}", f"--dtype={_TEACHER_DTYPE.value}", f"--aux_dtype={s}",
                 f"--data={_DATA.value}", f"--draft_config={_DRAFT_CONFIG.value}", f"--out={shards}",
@@ -137,9 +137,9 @@ def main(argv: list[str]) -> None:
           + " | mean per-prompt tok/fwd |")
     print("|---|---:|---:|" + "---:|" * (len(sets) + 1))
     for s, row, values in zip(_STORAGES.value, rows, per_prompt):
-        meta = teacher.read_meta(out / f"teacher-{s}")
+        meta = teacher_shards.read_meta(out / f"teacher-{s}")
         size, tokens = _shard_bytes(out / f"teacher-{s}")
-        fmt = teacher.bytes_per_token(meta.hidden_size, len(meta.aux_layer_ids), meta.aux_dtype)
+        fmt = teacher_shards.bytes_per_token(meta.hidden_size, len(meta.aux_layer_ids), meta.aux_dtype)
         mean = sum(values) / len(values)
         summary["runs"][s] = {"draft": row["draft"], "shard_bytes_per_token": size / tokens,
                               "format_bytes_per_token": fmt, "mean_per_prompt_tok_per_fwd": mean,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from dspark_jax.checkpoint.draft_io import convert_draft
+from dspark_jax.checkpoint.draft_convert import convert_draft
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError
 

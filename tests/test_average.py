@@ -20,6 +20,8 @@ from dspark_jax.checkpoint.draft_io import load_draft, open_torch_draft, save_to
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.train import loss as L
 from dspark_jax.train import trainer as T
+from dspark_jax.train import loop
+from dspark_jax.train import batches
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,7 @@ def test_trainer_keeps_its_last_exports_and_the_program_averages_them(target, tm
     cfg = T.TrainConfig(run_dir=str(run_dir), total_steps=4, global_batch=4, micro_batch=2, max_len=48, lr=3e-3,
                         compute_dtype="float32", save_every=1, keep_exports=3, loss=L.LossConfig(num_anchors=16))
     trainer = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-    T.run(trainer, T.SampleSource(answer_samples(target, max_new_tokens=24), 0))
+    loop.run(trainer, batches.SampleSource(answer_samples(target, max_new_tokens=24), 0))
     exports = sorted(p.name for p in (run_dir / "export").iterdir())
     assert exports == ["step_0000002", "step_0000003", "step_0000004"]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")

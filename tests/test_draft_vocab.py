@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark_jax.checkpoint.draft_io import convert_draft, load_draft, save_torch_draft
+from dspark_jax.checkpoint.draft_convert import convert_draft
+from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
 from dspark_jax.checkpoint.draft_layout import draft_inventory
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig

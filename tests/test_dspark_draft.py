@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from dspark_jax import sharding
 from dspark_jax.checkpoint import draft_io, orbax_io
-from dspark_jax.checkpoint.draft_io import convert_draft, load_draft, orbax_to_torch, torch_to_orbax
+from dspark_jax.checkpoint.draft_convert import convert_draft, orbax_to_torch, torch_to_orbax
+from dspark_jax.checkpoint.draft_io import load_draft
 from dspark_jax.checkpoint.draft_layout import abstract_draft, draft_inventory
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig, yarn_mscale

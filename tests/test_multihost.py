@@ -36,6 +36,7 @@ _SCRIPT = textwrap.dedent("""
     from dspark_jax.config import DraftConfig, KimiConfig
     from dspark_jax.models.kimi import KimiLinearModel
     from dspark_jax.train import loss as L, trainer as T
+    from dspark_jax.train import batches
     from dspark_jax.train.regen import Sample
     from dspark_jax.train.train_mesh import TEACHER_RULES, training_mesh
     from tests.kimi_configs import tiny_k3_tp_dict
@@ -63,7 +64,7 @@ _SCRIPT = textwrap.dedent("""
     cfg = T.TrainConfig(run_dir="unused", total_steps=3, global_batch=8, micro_batch=8, max_len=40, lr=1e-3,
                         compute_dtype="float32", export=False, loss=L.LossConfig(num_anchors=12))
     tr = T.Trainer(cfg, dcfg, target, online=True, mesh=mesh)
-    batch = T.collate([T.Example(s) for s in samples], cfg, offline=False)
+    batch = batches.collate([batches.Example(s) for s in samples], cfg, offline=False)
     losses = [tr.step(batch)["loss"] for _ in range(3)]
     w = tr.state.params["context_proj"]["weight"]
     experts = target.model.layers[2].block_sparse_moe.experts.w1.weight_packed.get_value()

@@ -25,8 +25,10 @@ from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
 from dspark_jax.data import answer_cache
 from dspark_jax.kernels.dispatch import use_kernels
 from dspark_jax.train import loss as L
-from dspark_jax.train import monitor, regen, teacher, torchspec
+from dspark_jax.train import monitor, regen, teacher, teacher_shards, torchspec
 from dspark_jax.train import trainer as T
+from dspark_jax.train import loop
+from dspark_jax.train import batches
 from dspark_jax.train.regen import Sample
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 from tests.train_utils import CharTokenizer as _CharTokenizer
@@ -273,17 +275,17 @@ def test_block_sparse_kernel_gives_the_reference_loss_and_gradients(pair, sample
 def test_online_and_offline_teacher_give_the_same_loss(pair, samples, tmp_path):
     target, draft = pair
     cfg = _cfg(tmp_path / "run")
-    meta = teacher.ShardMeta(num_writers=2, shard_size=3, aux_layer_ids=tuple(draft.cfg.target_layer_ids),
+    meta = teacher_shards.ShardMeta(num_writers=2, shard_size=3, aux_layer_ids=tuple(draft.cfg.target_layer_ids),
                              hidden_size=32, aux_width=64, dtype="float32", target="tiny", max_len=48)
     for w in range(2):
-        teacher.write_teacher_shards(target, samples, tmp_path / "shards", writer=w, meta=meta, batch_size=2)
-    stream = teacher.ShardStream(tmp_path / "shards", timeout_seconds=5)
-    offline_src = T.ShardSource(stream)
+        teacher_shards.write_teacher_shards(target, samples, tmp_path / "shards", writer=w, meta=meta, batch_size=2)
+    stream = teacher_shards.ShardStream(tmp_path / "shards", timeout_seconds=5)
+    offline_src = batches.ShardSource(stream)
     examples = offline_src.take(4)
     # canonical order: shard j of writer 0, then of writer 1: samples 0, 2, 4 then 1, ...
     assert [e.sample.id for e in examples] == ["s0", "s2", "s4", "s1"]
-    online_batch = T.collate([T.Example(e.sample) for e in examples], cfg, offline=False)
-    offline_batch = T.collate(examples, cfg, offline=True)
+    online_batch = batches.collate([batches.Example(e.sample) for e in examples], cfg, offline=False)
+    offline_batch = batches.collate(examples, cfg, offline=True)
     on = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft).eval_sums(online_batch, 0)
     off = T.Trainer(cfg, draft.cfg, target, online=False, init_draft=draft).eval_sums(offline_batch, 0)
     # same jitted teacher function on the same padded shapes; fusion inside the training step may
@@ -296,14 +298,14 @@ def test_online_and_offline_teacher_give_the_same_loss(pair, samples, tmp_path):
 def test_shards_stream_live_from_several_writers(tmp_path):
     """Three writer threads publish shards at random times while a reader consumes them; the
     reader sees every sample once, in the canonical order, and a restarted writer resumes."""
-    meta = teacher.ShardMeta(num_writers=3, shard_size=2, aux_layer_ids=(0,), hidden_size=2, aux_width=2,
+    meta = teacher_shards.ShardMeta(num_writers=3, shard_size=2, aux_layer_ids=(0,), hidden_size=2, aux_width=2,
                              dtype="float32", target="t", max_len=8)
     data = [Sample(f"x{i}", np.arange(3 + i % 4, dtype=np.int32), np.ones(3 + i % 4, bool)) for i in range(17)]
     got: list[str] = []
 
     def writer(k):
         rng = np.random.default_rng(k)
-        w = teacher.ShardWriter(tmp_path, k, meta)
+        w = teacher_shards.ShardWriter(tmp_path, k, meta)
         for s in data[k::3]:
             time.sleep(rng.uniform(0, 0.03))
             n = len(s.input_ids)
@@ -311,7 +313,7 @@ def test_shards_stream_live_from_several_writers(tmp_path):
         w.finish()
 
     def reader():
-        st = teacher.ShardStream(tmp_path, poll_seconds=0.005, timeout_seconds=30)
+        st = teacher_shards.ShardStream(tmp_path, poll_seconds=0.005, timeout_seconds=30)
         while True:
             ex = next(st)
             if st.position.epoch > 0:
@@ -331,10 +333,10 @@ def test_shards_stream_live_from_several_writers(tmp_path):
 
     # a writer killed after two shards (no .done) continues with its third
     d2 = tmp_path / "again"
-    w = teacher.ShardWriter(d2, 0, teacher.ShardMeta(1, 2, (0,), 2, 2, "float32", "t", 8))
+    w = teacher_shards.ShardWriter(d2, 0, teacher_shards.ShardMeta(1, 2, (0,), 2, 2, "float32", "t", 8))
     for s in data[:5]:
         w.add(s, np.zeros((len(s.input_ids), 2), np.float32), np.zeros((len(s.input_ids), 2), np.float32))
-    w2 = teacher.ShardWriter(d2, 0, w.meta)
+    w2 = teacher_shards.ShardWriter(d2, 0, w.meta)
     assert w2.samples_done == 4 and w2.num_shards == 2
 
 
@@ -359,7 +361,7 @@ def test_one_and_eight_devices_give_the_same_loss(pair):
                             compute_dtype="float32", export=False, loss=L.LossConfig(num_anchors=12))
         mesh = sharding.make_mesh(fsdp=len(devs), tensor=1, data=1, devices=devs)
         tr = T.Trainer(cfg, draft.cfg, target, online=True, mesh=mesh, init_draft=draft)
-        batch = T.collate([T.Example(s) for s in samples], cfg, offline=False)
+        batch = batches.collate([batches.Example(s) for s in samples], cfg, offline=False)
         w = tr.state.params["context_proj"]["weight"]
         out[name] = {"shards": len({str(s.index) for s in w.addressable_shards}),
                      "losses": [float(tr.step(batch)["loss"]) for _ in range(3)]}
@@ -429,7 +431,7 @@ def test_short_run_lowers_loss_and_raises_tokens_per_forward(pair, samples, tmp_
     before = served(draft)["tok_per_fwd"]
     cfg = _cfg(tmp_path / "run", total_steps=40, lr=3e-3, warmup_frac=0.1, global_batch=8, micro_batch=4)
     tr = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft)
-    hist = T.run(tr, T.SampleSource(samples, 0))
+    hist = loop.run(tr, batches.SampleSource(samples, 0))
     first, last = np.mean([h["loss"] for h in hist[:3]]), np.mean([h["loss"] for h in hist[-3:]])
     after = served(tr.draft())["tok_per_fwd"]
     assert last < 0.7 * first, (first, last)

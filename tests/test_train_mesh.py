@@ -27,8 +27,9 @@ from dspark_jax.data import answer_cache
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.train import loss as L
-from dspark_jax.train import regen, teacher
+from dspark_jax.train import regen, teacher_shards
 from dspark_jax.train import trainer as T
+from dspark_jax.train import batches
 from dspark_jax.train.regen import Sample
 from dspark_jax.train.train_mesh import TEACHER_RULES, MeshError, check_target, training_mesh
 from tests.float64 import assert_close, x64
@@ -82,7 +83,7 @@ def test_a_tensor_parallel_step_equals_one_device_in_float64(k3_dir):
     assert len(devices) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cfg = T.TrainConfig(run_dir="unused", total_steps=3, global_batch=4, micro_batch=2, max_len=32, lr=1e-3,
                         compute_dtype="float64", export=False, loss=L.LossConfig(num_anchors=8))
-    batch = T.collate([T.Example(s) for s in _samples(4, 30, 96)], cfg, offline=False)
+    batch = batches.collate([batches.Example(s) for s in _samples(4, 30, 96)], cfg, offline=False)
     out = {}
     with x64():
         for name, mesh in (("one", training_mesh(devices=devices[:1])), ("tp", training_mesh(tp=4, dp=2))):
@@ -148,11 +149,11 @@ def test_offline_teacher_shards_with_the_target_split_equal_one_device(k3_dir, t
         for name, tp, dp, budget in (("one", 1, 1, None), ("tp", 4, 2, 3)):
             mesh = training_mesh(tp=tp, dp=dp, devices=jax.local_devices(), multi_process=False)
             target = load_target(k3_dir, dtype=jnp.float64, mesh=mesh, rules=TEACHER_RULES)
-            meta = teacher.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=AUX_LAYERS, hidden_size=32,
+            meta = teacher_shards.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=AUX_LAYERS, hidden_size=32,
                                      aux_width=96, dtype="float64", target="tiny-k3", max_len=24)
-            teacher.write_teacher_shards(target, samples, tmp_path / name, writer=0, meta=meta, batch_size=2,
+            teacher_shards.write_teacher_shards(target, samples, tmp_path / name, writer=0, meta=meta, batch_size=2,
                                          mesh=mesh)
-            got[name] = teacher.read_shard(tmp_path / name / teacher.shard_name(0, 0))
+            got[name] = teacher_shards.read_shard(tmp_path / name / teacher_shards.shard_name(0, 0))
     assert got["tp"][0] == got["one"][0] == [s.id for s in samples]
     for i, what in ((3, "aux hidden"), (4, "final hidden")):
         assert_close(got["tp"][i], got["one"][i], what)

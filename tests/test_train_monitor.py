@@ -22,6 +22,8 @@ from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as L
 from dspark_jax.train import monitor
 from dspark_jax.train import trainer as T
+from dspark_jax.train import loop
+from dspark_jax.train import batches
 from dspark_jax.train.warm_start import WarmStartError, plan, warm_start
 from tests.gen_utils import answer_samples, randomize, tiny_draft, tiny_llama
 from tests.train_utils import TINY_LLAMA
@@ -181,7 +183,7 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
                         lr_schedule="constant", loss=L.LossConfig(num_anchors=16))
     ev = monitor.HeldOutEval(target, prompts, max_new_tokens=8)
     tr = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-    T.run(tr, T.SampleSource(samples, 0), stop_after=2, evaluator=ev)
+    loop.run(tr, batches.SampleSource(samples, 0), stop_after=2, evaluator=ev)
     rows = monitor.EvalHistory(run_dir).rows()
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["sequences_seen"] for r in rows] == [0, 4, 8]
@@ -203,7 +205,7 @@ def test_heldout_eval_writes_history_tensorboard_and_curve_and_resumes(pair, sam
     # resume: a new trainer restores step 2 and continues the same history and curve (from the run
     # directory: the evaluator keeps no history, so its compiled engine is reused)
     tr2 = T.Trainer(cfg, draft.cfg, target, online=True, init_draft=draft, log=lambda m: None)
-    T.run(tr2, T.SampleSource(samples, 0), evaluator=ev)
+    loop.run(tr2, batches.SampleSource(samples, 0), evaluator=ev)
     rows2 = monitor.EvalHistory(run_dir).rows()
     assert [r["step"] for r in rows2] == [0, 1, 2, 3]
     assert rows2[:3] == rows
@@ -229,14 +231,14 @@ def test_cpu_budget_stops_the_run_and_its_total_survives_resumption(pair, sample
     run continues the total instead of starting it again."""
     run_dir = tmp_path / "run"
     trainer = _budget_trainer(pair, run_dir, total_steps=6, export=False, lr_schedule="constant")
-    first = T.run(trainer(), T.SampleSource(samples, 0), cpu_budget=1e-9)   # spent by the first step
+    first = loop.run(trainer(), batches.SampleSource(samples, 0), cpu_budget=1e-9)   # spent by the first step
     assert [m["step"] for m in first] == [1]
     assert first[0]["step_cpu_seconds"] > 0 and first[0]["cpu_seconds"] == first[0]["step_cpu_seconds"]
     again = trainer()
-    assert T.run(again, T.SampleSource(samples, 0), cpu_budget=1e-9) == []   # already spent: no step
+    assert loop.run(again, batches.SampleSource(samples, 0), cpu_budget=1e-9) == []   # already spent: no step
     assert int(again.state.step) == 1                                        # it restored the budget stop
     spent = first[0]["cpu_seconds"]
-    rest = T.run(trainer(), T.SampleSource(samples, 0), cpu_budget=spent + 1e6)   # runs to total_steps
+    rest = loop.run(trainer(), batches.SampleSource(samples, 0), cpu_budget=spent + 1e6)   # runs to total_steps
     assert [m["step"] for m in rest] == [2, 3, 4, 5, 6]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -250,10 +252,10 @@ def test_time_budget_stops_with_a_checkpoint_and_export_and_a_rerun_continues(pa
     budget) resumes from that step and finishes the schedule."""
     run_dir = tmp_path / "run"
     trainer = _budget_trainer(pair, run_dir, total_steps=4, export=True, lr_schedule="cosine")
-    first = T.run(trainer(), T.SampleSource(samples, 0), time_budget=1e-9)   # spent by the first step
+    first = loop.run(trainer(), batches.SampleSource(samples, 0), time_budget=1e-9)   # spent by the first step
     assert [m["step"] for m in first] == [1]
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_0000001"]
-    rest = T.run(trainer(), T.SampleSource(samples, 0), time_budget=1e6)
+    rest = loop.run(trainer(), batches.SampleSource(samples, 0), time_budget=1e6)
     assert [m["step"] for m in rest] == [2, 3, 4]
     assert rest[-1]["lr"] == pytest.approx(0.0, abs=1e-12)             # the cosine schedule ran to its end
     assert (run_dir / "export" / "step_0000004" / "model.safetensors").is_file()
@@ -264,11 +266,11 @@ def test_stop_at_ends_a_constant_lr_run_at_that_step_and_a_rerun_trains_nothing(
     a rerun to the same step restores it and trains nothing; a later stop continues it."""
     run_dir = tmp_path / "run"
     trainer = _budget_trainer(pair, run_dir, total_steps=4, export=True, lr_schedule="constant")
-    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=2)] == [1, 2]
+    assert [m["step"] for m in loop.run(trainer(), batches.SampleSource(samples, 0), stop_at=2)] == [1, 2]
     assert sorted(p.name for p in (run_dir / "export").iterdir())[-1] == "step_0000002"
     again = trainer()
-    assert T.run(again, T.SampleSource(samples, 0), stop_at=2) == [] and int(again.state.step) == 2
-    assert [m["step"] for m in T.run(trainer(), T.SampleSource(samples, 0), stop_at=3)] == [3]
+    assert loop.run(again, batches.SampleSource(samples, 0), stop_at=2) == [] and int(again.state.step) == 2
+    assert [m["step"] for m in loop.run(trainer(), batches.SampleSource(samples, 0), stop_at=3)] == [3]
     assert sorted(p.name for p in (run_dir / "export").iterdir())[-1] == "step_0000003"
 
 

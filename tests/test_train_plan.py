@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
-from dspark_jax.plan.serving import resolve_config_path
 from dspark_jax.plan import training as train_plan
+from dspark_jax.plan.serving import resolve_config_path
 from tests.kimi_configs import tiny_k3_tp_dict
 from tests.test_train_mesh import draft_for
 

@@ -57,9 +57,11 @@ from dspark_jax.config import load_config
 from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
-from dspark_jax.train import init_draft, regen, teacher, torchspec, train_mesh
+from dspark_jax.train import init_draft, regen, teacher_shards, torchspec, train_mesh
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import trainer as trainer_lib
+from dspark_jax.train import loop as loop_lib
+from dspark_jax.train import batches as batches_lib
 from train import paths
 
 FLAGS = flags.FLAGS
@@ -184,15 +186,15 @@ def main(argv: list[str]) -> None:
         files = paths.expand(FLAGS.data, flag="data", what="regen cache", exists=Path.is_file)
         rows = [row for path in files for row in answer_cache.read_cache(path)]
         samples = list(regen.samples_from_cache(rows, max_len=FLAGS.max_len))
-        source = trainer_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
+        source = batches_lib.SampleSource(samples, FLAGS.seed, group=FLAGS.global_batch)
         log(f"{len(samples)} samples from {FLAGS.data}")
     else:
-        stream = teacher.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout,
+        stream = teacher_shards.ShardStream(FLAGS.teacher_dir, poll_seconds=2.0, timeout_seconds=FLAGS.teacher_timeout,
                                      log=log)
         if tuple(stream.meta.aux_layer_ids) != tuple(draft_cfg.target_layer_ids):
             raise app.UsageError(f"{FLAGS.teacher_dir}: aux layers {stream.meta.aux_layer_ids} != the draft's "
                                  f"target_layer_ids {list(draft_cfg.target_layer_ids)}")
-        source = trainer_lib.ShardSource(stream)
+        source = batches_lib.ShardSource(stream)
         samples = None
     total = FLAGS.total_steps
     if total is None:
@@ -242,7 +244,7 @@ def main(argv: list[str]) -> None:
                                         batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
             f"{FLAGS.eval_max_new_tokens} new tokens, greedy, {FLAGS.num_speculative_tokens} drafts")
-    trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
+    loop_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
                     cpu_budget=FLAGS.cpu_budget, time_budget=FLAGS.time_budget)
     if settings.multi_process:
         _export_multihost(trainer, Path(FLAGS.run_dir), log)

@@ -26,14 +26,14 @@ from dspark_jax.config import DraftConfig, load_config
 from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
-from dspark_jax.train import regen, teacher, train_mesh
+from dspark_jax.train import regen, teacher, teacher_shards, train_mesh
 
 FLAGS = flags.FLAGS
 pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
 pair_flags.define_tp()
 train_mesh.define_flags(fsdp=False)
 pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Teacher compute dtype (what the trainer receives).")
-flags.DEFINE_enum("aux_dtype", teacher.FP8, ["auto", *teacher.AUX_DTYPES],
+flags.DEFINE_enum("aux_dtype", teacher.FP8, ["auto", *teacher_shards.AUX_DTYPES],
                   "Storage of the hidden states in the shards: float8_e4m3fn stores each token's row of each "
                   "captured layer (and of the final state) as float8 with one float32 scale (max|x| / 448), half "
                   "a bf16 shard; 'auto' stores them in --dtype. The trainer reads them back in --dtype.")
@@ -59,25 +59,25 @@ def main(argv: list[str]) -> None:
 
     draft_cfg = DraftConfig.from_json(FLAGS.draft_config)
     cfg = load_config(resolve_model_path(FLAGS.target))
-    meta = teacher.ShardMeta(num_writers=FLAGS.num_writers, shard_size=FLAGS.shard_size,
+    meta = teacher_shards.ShardMeta(num_writers=FLAGS.num_writers, shard_size=FLAGS.shard_size,
                              aux_layer_ids=tuple(draft_cfg.target_layer_ids), hidden_size=cfg.hidden_size,
                              aux_width=len(draft_cfg.target_layer_ids) * cfg.hidden_size, dtype=FLAGS.dtype,
                              target=str(FLAGS.target), max_len=FLAGS.max_len,
                              aux_dtype=None if FLAGS.aux_dtype == "auto" else FLAGS.aux_dtype)
-    if (Path(FLAGS.out) / teacher.META_FILE).exists():     # a resumed or further writer: same settings
-        have = teacher.read_meta(FLAGS.out)
+    if (Path(FLAGS.out) / teacher_shards.META_FILE).exists():     # a resumed or further writer: same settings
+        have = teacher_shards.read_meta(FLAGS.out)
         if have != meta:
             hint = "" if have.aux_dtype == meta.aux_dtype else \
                 f"; its storage is --aux_dtype {'auto' if have.aux_dtype == have.dtype else have.aux_dtype}"
-            raise app.UsageError(f"{Path(FLAGS.out) / teacher.META_FILE}: written with other settings (the "
+            raise app.UsageError(f"{Path(FLAGS.out) / teacher_shards.META_FILE}: written with other settings (the "
                                  f"directory's vs these flags': {have.differences(meta)}){hint}")
     log(f"hidden states stored as {meta.aux_dtype}: "
-        f"{teacher.bytes_per_token(meta.hidden_size, len(meta.aux_layer_ids), meta.aux_dtype):,} bytes per token")
+        f"{teacher_shards.bytes_per_token(meta.hidden_size, len(meta.aux_layer_ids), meta.aux_dtype):,} bytes per token")
     mesh = train_mesh.mesh_from_flags(cfg, multi_process=False)
     log(train_mesh.describe(mesh))
     target = load_target(FLAGS.target, dtype=jnp.dtype(FLAGS.dtype), mesh=mesh, rules=train_mesh.TEACHER_RULES)
     samples = list(regen.samples_from_cache(answer_cache.read_cache(FLAGS.data), max_len=FLAGS.max_len))
-    out = teacher.write_teacher_shards(target, samples, FLAGS.out, writer=FLAGS.writer, meta=meta,
+    out = teacher_shards.write_teacher_shards(target, samples, FLAGS.out, writer=FLAGS.writer, meta=meta,
                                        batch_size=FLAGS.batch_size, log=log, mesh=mesh)
     log(f"done: {out.num_shards} shards, {out.num_samples} sequences")
 

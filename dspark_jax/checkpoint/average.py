@@ -18,8 +18,14 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.checkpoint.draft_io import (CONFIG_FILE, SAFETENSORS_FILE, TorchDraft, load_draft, open_torch_draft,
-                                            save_torch_draft)
+from dspark_jax.checkpoint.draft_io import (
+    CONFIG_FILE,
+    SAFETENSORS_FILE,
+    TorchDraft,
+    load_draft,
+    open_torch_draft,
+    save_torch_draft,
+)
 from dspark_jax.checkpoint.draft_layout import TORCHSPEC_METADATA
 from dspark_jax.checkpoint.orbax_io import staging
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, save_arrays

@@ -17,7 +17,7 @@ An Orbax dir without the layout file (a trained draft: `nnx.to_pure_dict(nnx.sta
 nnx.Param))` saved under params/, config.json beside) exports with a fresh header in the reference
 writer's order and the TorchSpec metadata, i.e. the file TorchSpec itself would write.
 
-Streaming: no tensor is ever whole in memory. Tensors move in row bands of about `_CHUNK_BYTES`
+Streaming: no tensor is ever whole in memory. Tensors move in row bands of about `CHUNK_BYTES`
 (dim 0 cut; a tensor that fits one band moves whole), through a few reused buffers. Torch ->
 Orbax: Orbax writes the tree (its metadata and a one-element placeholder per leaf), then
 tensorstore replaces each placeholder by the real zarr array, chunked in exactly those bands, and
@@ -28,20 +28,18 @@ a few bands whatever the tensor sizes, nothing is fsynced per write (every outpu
 the end). Output goes to a temp dir next to the destination and is renamed into place at the end;
 any failure removes it.
 
-One module although it is over 450 lines: both layouts' readers and the streaming converter
-between them share the row-band buffers and are read together (the inventory and its checks are
-in draft_layout.py, the Orbax helpers in orbax_io.py).
+This module holds the two layouts' readers, loading a model and exporting one; the converter
+between the layouts is draft_convert.py, the inventory and its checks draft_layout.py, the Orbax
+helpers orbax_io.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +48,27 @@ from jax.sharding import Mesh
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, nest, orbax, orbax_context, orbax_leaves, staging
-from dspark_jax.checkpoint.safetensors_io import (DTYPES, CheckpointError, SafetensorsFile, header_for,
-                                                  save_arrays, write_streaming)
-from dspark_jax.checkpoint.draft_layout import (EMBED_NAME, MAX_LISTED, TORCHSPEC_METADATA, TensorEntry, abstract_draft,
-                                                check_tensors, check_vocab_map, draft_inventory, dtype_name,
-                                                vocab_map_arrays, vocab_map_vars)
+from dspark_jax.checkpoint.draft_layout import (
+    EMBED_NAME,
+    MAX_LISTED,
+    TORCHSPEC_METADATA,
+    TensorEntry,
+    abstract_draft,
+    check_tensors,
+    check_vocab_map,
+    draft_inventory,
+    dtype_name,
+    vocab_map_arrays,
+    vocab_map_vars,
+)
+from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, orbax_leaves, staging
+from dspark_jax.checkpoint.safetensors_io import (
+    DTYPES,
+    CheckpointError,
+    SafetensorsFile,
+    header_for,
+    save_arrays,
+)
 from dspark_jax.config import ConfigError, DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 
@@ -65,9 +78,9 @@ LAYOUT_FILE = "safetensors_layout.json"
 LAYOUT_FORMAT = "dspark_jax.draft_orbax"
 LAYOUT_VERSION = 1
 
-_CHUNK_BYTES = 64 * 2**20     # a row band: the unit of every read, write and --check compare, and
+CHUNK_BYTES = 64 * 2**20     # a row band: the unit of every read, write and --check compare, and
                               # the stored Orbax chunk (big enough for full-speed sequential I/O)
-_IN_FLIGHT = 2                # torch -> Orbax: band writes outstanding while the next band is read
+IN_FLIGHT = 2                # torch -> Orbax: band writes outstanding while the next band is read
 _ORBAX_TREE_DIR = "state"     # the checkpointable Orbax v1 saves a PyTree under
 
 Progress = Callable[[str], None]
@@ -115,24 +128,24 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) * itemsize
 
 
-def _row_bands(shape: tuple[int, ...], itemsize: int, unit: int = 1) -> list[Rows] | None:
-    """Dim 0 of `shape` cut into bands of about `_CHUNK_BYTES`, each a whole number of `unit` rows
+def row_bands(shape: tuple[int, ...], itemsize: int, unit: int = 1) -> list[Rows] | None:
+    """Dim 0 of `shape` cut into bands of about `CHUNK_BYTES`, each a whole number of `unit` rows
     (the stored chunk height: no chunk is read or written in part); None when one band is the whole
     tensor, which then moves whole."""
     if not shape:
         return None
-    step = max(1, _CHUNK_BYTES // max(1, _row_bytes(shape, itemsize)) // unit) * unit
+    step = max(1, CHUNK_BYTES // max(1, _row_bytes(shape, itemsize)) // unit) * unit
     if step >= shape[0]:
         return None
     return [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
 
 
-def _chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
-    """Rows per stored Orbax chunk: the fewest chunks of about `_CHUNK_BYTES` (one row if a row is
+def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows per stored Orbax chunk: the fewest chunks of about `CHUNK_BYTES` (one row if a row is
     bigger), evened out so that the last one is barely padded."""
     if not shape:
         return 1
-    n = max(1, -(-shape[0] * _row_bytes(shape, itemsize) // _CHUNK_BYTES))
+    n = max(1, -(-shape[0] * _row_bytes(shape, itemsize) // CHUNK_BYTES))
     return max(1, -(-shape[0] // n))
 
 
@@ -140,7 +153,7 @@ def _piece_shape(t: TensorEntry, rows: Rows | None) -> tuple[int, ...]:
     return t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
 
 
-class _Ring:
+class Ring:
     """`n` buffers reused in turn for the bands in flight: a fresh array per band would cost a
     page fault per page, as much as the copy itself. The caller keeps a buffer's band alive
     only until `n - 1` later bands have been handed out."""
@@ -203,7 +216,7 @@ def open_torch_draft(path: str | Path) -> TorchDraft:
     return TorchDraft(path, cfg, raw, sf, entries)
 
 
-class _OrbaxArrays:
+class OrbaxArrays:
     """The zarr arrays of an Orbax PyTree checkpoint, opened with tensorstore the way Orbax opens
     them (one array per leaf, keyed by its dotted path, in an OCDBT database unless the tree
     metadata says otherwise), so that tensors move in row bands: `ocp.load` restores leaves whole."""
@@ -280,7 +293,7 @@ class OrbaxDraft:
     config_bytes: bytes
     header_bytes: bytes
     tensors: list[TensorEntry]    # safetensors file order
-    arrays: _OrbaxArrays
+    arrays: OrbaxArrays
 
     @property
     def params_dir(self) -> Path:
@@ -306,7 +319,7 @@ class OrbaxDraft:
         except Exception as e:
             raise CheckpointError(f"{self.params_dir}: cannot open tensor {t.name!r} "
                                   f"({type(e).__name__}: {e})") from e
-        return _row_bands(t.shape, DTYPES[t.dtype].itemsize, unit)
+        return row_bands(t.shape, DTYPES[t.dtype].itemsize, unit)
 
 
 def _parse_header(header_bytes: bytes, where: str) -> list[TensorEntry]:
@@ -366,7 +379,7 @@ def open_orbax_draft(path: str | Path) -> OrbaxDraft:
     if problems:
         raise CheckpointError(f"{path}: the Orbax params do not match the draft layout "
                               f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:MAX_LISTED]))
-    return OrbaxDraft(path, cfg, raw, header_bytes, tensors, _OrbaxArrays(params_dir))
+    return OrbaxDraft(path, cfg, raw, header_bytes, tensors, OrbaxArrays(params_dir))
 
 
 def is_torch_draft_dir(path: Path) -> bool:
@@ -375,168 +388,6 @@ def is_torch_draft_dir(path: Path) -> bool:
 
 def is_orbax_draft_dir(path: Path) -> bool:
     return (path / PARAMS_DIR).is_dir()
-
-
-# ---------------------------------------------------------------------------------------------
-# conversion
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    ua = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    ub = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-    # in slices: a tensor stored as one chunk arrives whole, its comparison needs no full-size temporary
-    return all(np.array_equal(ua[i:i + _CHUNK_BYTES], ub[i:i + _CHUNK_BYTES])
-               for i in range(0, ua.size, _CHUNK_BYTES))
-
-
-def _prefetched(keys: Sequence, load: Callable) -> Iterator[tuple[object, object]]:
-    """(key, load(key)) in order, loading the next key in a worker thread while the caller
-    handles the current one: reads overlap writes (file I/O and tensorstore release the GIL) at
-    the cost of one extra item in memory."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(load, keys[0]) if keys else None
-        for i, key in enumerate(keys):
-            value = pending.result()
-            pending = pool.submit(load, keys[i + 1]) if i + 1 < len(keys) else None
-            yield key, value
-            del value
-
-
-def _read_piece(src: TorchDraft | OrbaxDraft, name: str, rows: Rows | None) -> np.ndarray:
-    # a tensor that fits one band is read by its name alone
-    return src.read(name) if rows is None else src.read(name, rows)
-
-
-def _compare_all(what: str, tensors: Sequence[TensorEntry], a, b, orbax: OrbaxDraft) -> None:
-    """Every tensor of `a` and `b` byte for byte, band by band (the Orbax side's bands)."""
-    for t in tensors:
-        if not all(_same_bytes(_read_piece(a, t.name, rows), _read_piece(b, t.name, rows))
-                   for rows in orbax.bands(t) or [None]):
-            raise CheckpointError(f"--check: tensor {t.name!r} differs after conversion ({what})")
-
-
-def _write_orbax_arrays(src: TorchDraft, arrays: _OrbaxArrays, progress: Progress | None) -> None:
-    """Every tensor of `src` into its (placeholder) Orbax array, band by band: the next band is
-    read while up to `_IN_FLIGHT` earlier ones are being written."""
-    plan = []                                 # (tensor, stored chunk rows, its bands)
-    for t in src.tensors:
-        chunk_rows = _chunk_rows(t.shape, DTYPES[t.dtype].itemsize)
-        plan.append((t, chunk_rows, _row_bands(t.shape, DTYPES[t.dtype].itemsize, chunk_rows) or [None]))
-    # a buffer is refilled only once the write reading it is done (`settle` keeps `_IN_FLIGHT`),
-    # so tensorstore may write straight from it instead of copying it first
-    ring = _Ring([(t, rows) for t, _, bands in plan for rows in bands], _IN_FLIGHT + 1)
-    pending: deque = deque()                  # (tensor name, write future), oldest first
-
-    def settle(keep: int) -> None:
-        while len(pending) > keep:
-            name, write = pending.popleft()
-            try:
-                write.result()
-            except Exception as e:
-                raise CheckpointError(f"{arrays.root}: cannot write tensor {name!r} "
-                                      f"({type(e).__name__}: {e})") from e
-
-    try:
-        for t, chunk_rows, bands in plan:
-            try:
-                store = arrays.create(t.name, t.shape, chunk_rows)
-            except Exception as e:
-                raise CheckpointError(f"{arrays.root}: cannot create tensor {t.name!r} "
-                                      f"({type(e).__name__}: {e})") from e
-            for rows in bands:
-                data = src.read(t.name, rows, out=ring.take(t, rows))
-                dst = store if rows is None else store[rows[0]:rows[1]]
-                pending.append((t.name, dst.write(data, can_reference_source_data_indefinitely=True)))
-                del data
-                settle(_IN_FLIGHT)
-            if progress is not None:
-                progress(f"saved {t.name}")
-        settle(0)
-    finally:
-        # on failure, writes still running would otherwise land in the staging dir being removed
-        for _, write in pending:
-            write.exception()
-
-
-def torch_to_orbax(src: str | Path, dst: str | Path, *, check: bool = False,
-                   progress: Progress | None = None) -> OrbaxDraft:
-    """Convert a torch-layout draft dir to the Orbax layout (see the module docstring)."""
-    ocp = orbax()
-    src_draft = open_torch_draft(src)
-    dst = Path(dst)
-    header = src_draft.file.header_bytes
-    with staging(dst) as tmp:
-        (tmp / CONFIG_FILE).write_bytes(src_draft.config_bytes)
-        layout = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "file": SAFETENSORS_FILE,
-                  "header": header.decode("utf-8")}
-        (tmp / LAYOUT_FILE).write_text(json.dumps(layout, indent=1) + "\n")
-        # Orbax writes the tree: its metadata and a one-element placeholder of each leaf's dtype
-        # and rank, which `_write_orbax_arrays` then replaces by the real array
-        placeholders = {t.name: np.zeros((1,) * len(t.shape), DTYPES[t.dtype]) for t in src_draft.tensors}
-        with orbax_context():
-            ocp.save(tmp / PARAMS_DIR, nest(placeholders))
-        arrays = _OrbaxArrays(tmp / PARAMS_DIR)
-        _write_orbax_arrays(src_draft, arrays, progress)
-        arrays.sync()
-        out = open_orbax_draft(tmp)
-        if out.header_bytes != header or out.config_bytes != src_draft.config_bytes:
-            raise CheckpointError(f"{tmp}: header or config.json changed on the way (bug)")
-        if check:
-            _compare_all(f"{src_draft.file.path} vs {tmp / PARAMS_DIR}", src_draft.tensors, src_draft, out, out)
-    return open_orbax_draft(dst)
-
-
-def orbax_to_torch(src: str | Path, dst: str | Path, *, check: bool = False,
-                   progress: Progress | None = None) -> TorchDraft:
-    """Convert an Orbax-layout draft dir back to config.json + model.safetensors."""
-    src_draft = open_orbax_draft(src)
-    dst = Path(dst)
-    pieces = [(t, rows) for t in src_draft.tensors for rows in src_draft.bands(t) or [None]]
-    # bands go through three buffers (one being written out, one being read, one spare); a
-    # tensor that fits one band is read whole into a fresh array
-    ring = _Ring([(t, rows) for t, rows in pieces if rows is not None], 3)
-
-    def load(i: int) -> np.ndarray:
-        t, rows = pieces[i]
-        return src_draft.read(t.name) if rows is None else src_draft.read(t.name, rows, out=ring.take(t, rows))
-
-    def chunks():
-        for i, arr in _prefetched(range(len(pieces)), load):
-            t, rows = pieces[i]
-            yield t.name, arr
-            del arr
-            if progress is not None and (rows is None or rows[1] == t.shape[0]):
-                progress(f"wrote {t.name}")
-
-    with staging(dst) as tmp:
-        write_streaming(tmp / SAFETENSORS_FILE, [(t.name, t.dtype, t.shape) for t in src_draft.tensors],
-                        chunks(), header_bytes=src_draft.header_bytes)
-        (tmp / CONFIG_FILE).write_bytes(src_draft.config_bytes)
-        out = open_torch_draft(tmp)
-        if out.file.header_bytes != src_draft.header_bytes:
-            raise CheckpointError(f"{tmp / SAFETENSORS_FILE}: header changed on the way (bug)")
-        if check:
-            _compare_all(f"{src_draft.params_dir} vs {tmp / SAFETENSORS_FILE}", src_draft.tensors,
-                         src_draft, out, src_draft)
-    return open_torch_draft(dst)
-
-
-def convert_draft(src: str | Path, dst: str | Path, *, check: bool = False,
-                  progress: Progress | None = None) -> str:
-    """Convert in the direction the source implies; returns "torch->orbax" or "orbax->torch"."""
-    src = Path(src)
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: source is not a directory")
-    if is_torch_draft_dir(src):
-        torch_to_orbax(src, dst, check=check, progress=progress)
-        return "torch->orbax"
-    if is_orbax_draft_dir(src):
-        orbax_to_torch(src, dst, check=check, progress=progress)
-        return "orbax->torch"
-    raise CheckpointError(f"{src}: neither a torch draft ({SAFETENSORS_FILE} + {CONFIG_FILE}) nor an Orbax "
-                          f"draft ({PARAMS_DIR}/ + {CONFIG_FILE})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from dspark_jax.config import DraftConfig, KimiConfig
 from dspark_jax.plan.serving import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import teacher as teacher_lib
+from dspark_jax.train import teacher_shards as teacher_shards_lib
 from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
 
@@ -79,7 +80,7 @@ def shard_bytes_per_token(cfg: KimiConfig, draft_cfg: DraftConfig, dtype: str = 
     """An offline teacher shard's bytes per token: aux [n_aux * H] + final [H] hidden states in
     `dtype` (float8_e4m3fn: with a float32 scale per row), the int32 token id and the uint8 loss
     mask (dspark_jax/train/teacher.py, the format's own count)."""
-    return teacher_lib.bytes_per_token(cfg.hidden_size, len(draft_cfg.target_layer_ids), dtype)
+    return teacher_shards_lib.bytes_per_token(cfg.hidden_size, len(draft_cfg.target_layer_ids), dtype)
 
 
 def shard_storage(cfg: KimiConfig, draft_cfg: DraftConfig, target_dtype: str) -> dict[str, int]:

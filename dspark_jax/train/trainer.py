@@ -15,7 +15,7 @@
   a (data, fsdp, tensor) mesh (`train_mesh.training_mesh`; default: one device); batches split
   over data x fsdp when the micro-batch divides. The online teacher runs where the target was
   placed (with a tensor axis: split as in serving, `train_mesh.TEACHER_RULES`).
-- Teacher: online (target prefill inside the same jitted step) or offline (`teacher.ShardStream`).
+- Teacher: online (target prefill inside the same jitted step) or offline (`teacher_shards.ShardStream`).
 - Checkpoints: an Orbax `CheckpointManager` under `<run_dir>/checkpoints` holding
   {params, opt_state, step} and a JSON item with the data position; a restart restores the latest
   one and continues exactly (anchor RNG = fold_in(seed, step, micro), data order from the saved
@@ -30,20 +30,16 @@
 - Export: the draft in the torch layout (bf16, TorchSpec metadata) to `<run_dir>/export/step_N`
   at every checkpoint and at the end; the newest `keep_exports` are kept (for `train.average`).
 
-One module although it is over 450 lines: the step, its gradient accumulation, checkpointing,
-export and the held-out evaluation hooks share the trainer's state and run as one loop.
+The batches it steps on are built by `train.batches`; the loop around it (logging, checkpoints,
+evaluation, export) is `train.loop.run`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import shutil
-import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +53,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as loss_lib
-from dspark_jax.train.regen import Sample
-from dspark_jax.train.teacher import (ShardStream, StreamPosition, TeacherOutputs, frozen_tables, pad_batch,
-                                      teacher_outputs)
+from dspark_jax.train.teacher import TeacherOutputs, frozen_tables, teacher_outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,99 +107,6 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     return tx, schedule
-
-
-# ---------------------------------------------------------------------------------------------
-# data
-
-
-class Example(NamedTuple):
-    sample: Sample
-    aux_SA: np.ndarray | None = None       # offline teacher outputs
-    final_SH: np.ndarray | None = None
-
-
-class SampleSource:
-    """Regenerated samples for the online teacher: a seeded permutation per epoch; the position
-    (epoch, index) is all a resume needs. With `group` (the global batch), each window of 16
-    batches is sorted by length before it is cut into batches, and the batches are shuffled:
-    a batch then holds similar lengths, so padding to its longest sample wastes little."""
-
-    WINDOW = 16
-
-    def __init__(self, samples: Sequence[Sample], seed: int, group: int | None = None):
-        if not samples:
-            raise ValueError("no training samples")
-        self.samples, self.seed, self.group = list(samples), seed, group
-        self.lengths = np.array([len(s.input_ids) for s in self.samples])
-        self.epoch, self.index = 0, 0
-        self._order = self._perm(0)
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.samples))
-        if not self.group:
-            return order
-        out = []
-        for start in range(0, len(order), self.group * self.WINDOW):
-            win = order[start:start + self.group * self.WINDOW]
-            win = win[np.argsort(self.lengths[win], kind="stable")]
-            batches = [win[i:i + self.group] for i in range(0, len(win), self.group)]
-            out.extend(batches[j] for j in rng.permutation(len(batches)))
-        return np.concatenate(out)
-
-    @property
-    def position(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, position: Mapping) -> None:
-        self.epoch, self.index = int(position["epoch"]), int(position["index"])
-        self._order = self._perm(self.epoch)
-
-    def take(self, n: int) -> list[Example]:
-        out = []
-        while len(out) < n:
-            if self.index == len(self.samples):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._perm(self.epoch)
-            out.append(Example(self.samples[self._order[self.index]]))
-            self.index += 1
-        return out
-
-
-class ShardSource:
-    """Offline teacher data from a shard directory (live or complete)."""
-
-    def __init__(self, stream: ShardStream):
-        self.stream = stream
-
-    @property
-    def position(self) -> dict:
-        return self.stream.position.to_json()
-
-    def restore(self, position: Mapping) -> None:
-        self.stream.position = StreamPosition.from_json(dict(position))
-
-    def take(self, n: int) -> list[Example]:
-        return [Example(ex.sample, ex.aux_SA, ex.final_SH) for ex in (next(self.stream) for _ in range(n))]
-
-
-def collate(examples: Sequence[Example], cfg: TrainConfig, offline: bool) -> dict[str, np.ndarray]:
-    """[accum, micro, S, ...] arrays of one global batch, right-padded to S: the longest sample
-    rounded up to a multiple of 128 (a handful of compiled shapes), at most `max_len`."""
-    longest = max(len(e.sample.input_ids) for e in examples)
-    m, b, s = cfg.accum_steps, cfg.micro_batch, min(cfg.max_len, -(-longest // 128) * 128)
-    ids, mask, valid = pad_batch([e.sample for e in examples], s)
-    batch = {"input_ids": ids.reshape(m, b, s), "loss_mask": mask.reshape(m, b, s), "valid": valid.reshape(m, b, s)}
-    if offline:
-        a, h = examples[0].aux_SA.shape[-1], examples[0].final_SH.shape[-1]
-        aux = np.zeros((m * b, s, a), examples[0].aux_SA.dtype)
-        final = np.zeros((m * b, s, h), examples[0].final_SH.dtype)
-        for i, e in enumerate(examples):
-            n = min(len(e.aux_SA), s)
-            aux[i, :n], final[i, :n] = e.aux_SA[:n], e.final_SH[:n]
-        batch["aux"], batch["final"] = aux.reshape(m, b, s, a), final.reshape(m, b, s, h)
-    return batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,160 +351,3 @@ class Trainer:
         cfg = dict(self.draft_cfg.raw)
         cfg["torch_dtype"] = "bfloat16"
         save_torch_draft(self.draft(), cfg, dst)
-
-
-# ---------------------------------------------------------------------------------------------
-# the loop
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
-
-
-def _fmt_eta(seconds: float) -> str:
-    h, rem = divmod(int(seconds), 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
-def _cpu_seconds_so_far(path: Path) -> float:
-    """The run's cumulative training CPU seconds: the last metrics row's `cpu_seconds`."""
-    last = 0.0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                last = json.loads(line).get("cpu_seconds", last)
-    return last
-
-
-def run(trainer: Trainer, source, *, stop_after: int | None = None, stop_at: int | None = None, evaluator=None,
-        cpu_budget: float | None = None, time_budget: float | None = None) -> list[dict]:
-    """Train to `cfg.total_steps` (or `stop_after` more steps, or to step `stop_at`: a
-    constant-lr run stopped at a chosen step, saved and exported there), resuming from the run
-    dir's latest checkpoint. Returns the metrics of the steps run by this call. `evaluator(draft) ->
-    {"tok_per_fwd", ...}` (e.g. `monitor.HeldOutEval`) runs every `cfg.eval_every` steps.
-
-    Every step records its process CPU seconds (all threads; evaluation excluded) and the run's
-    running total `cpu_seconds`, which survives resumption; with `cpu_budget` the run saves,
-    exports and stops at the first step that brings the total to the budget (the equal-CPU-time
-    ablations compare runs whose steps cost differently). `time_budget` does the same once this
-    call has run that many wall-clock seconds (a run on a machine available for a fixed time)."""
-    cfg = trainer.cfg
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    meta = trainer.restore_latest()
-    start = int(trainer.state.step)
-    if meta is not None:
-        source.restore(meta["data_position"])
-        trainer.log(f"resumed from step {start} ({run_dir / 'checkpoints'})")
-    metrics_path = run_dir / "metrics.jsonl"
-    lead = jax.process_index() == 0       # one writer of metrics files in a multi-process run
-    tb = None
-    if lead:
-        _truncate_metrics(metrics_path, start)
-        from tensorboardX import SummaryWriter
-        tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
-    cpu_total = _cpu_seconds_so_far(metrics_path) if lead else 0.0
-    offline = not trainer.online
-    evals = None
-    if evaluator is not None and cfg.eval_every > 0 and lead:
-        from dspark_jax.train.monitor import EvalHistory
-        evals = EvalHistory(run_dir)
-        done = {r["step"] for r in evals.truncate(start)}
-        if start not in done:        # the curve's first point: the initial (or restored) weights
-            _evaluate(trainer, evaluator, evals, tb, start, None, cpu_total)
-    history = []
-    end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
-    if stop_at is not None:
-        end = min(end, stop_at)
-    t_start, last_saved = time.time(), start
-    deadline = None if time_budget is None else t_start + time_budget
-    if cpu_budget is not None and cpu_total >= cpu_budget:
-        trainer.log(f"CPU budget {cpu_budget:.0f}s already spent ({cpu_total:.0f}s at step {start})")
-        end = start
-    try:
-        for step in range(start, end):
-            c0 = time.process_time()
-            batch = collate(source.take(cfg.global_batch), cfg, offline)
-            t0 = time.time()
-            m = trainer.step(batch)
-            m["step"] = step + 1
-            m["step_seconds"] = time.time() - t0
-            m["step_cpu_seconds"] = time.process_time() - c0
-            cpu_total += m["step_cpu_seconds"]
-            m["cpu_seconds"] = cpu_total
-            out_of_time = deadline is not None and time.time() >= deadline
-            over_budget = (cpu_budget is not None and cpu_total >= cpu_budget) or out_of_time
-            history.append(m)
-            if lead:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(m) + "\n")
-                for k, v in m.items():
-                    if k != "step":
-                        tb.add_scalar(f"train/{k.replace('@', '_at_')}", v, step + 1)
-                tb.add_scalar("train/sequences_seen", (step + 1) * cfg.global_batch, step + 1)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                done = step + 1 - start
-                eta = (time.time() - t_start) / done * (cfg.total_steps - step - 1)
-                trainer.log(f"step {step + 1}/{cfg.total_steps} loss {m['loss']:.4f} ce {m['ce']:.3f} "
-                            f"l1 {m['l1']:.3f} bce {m['bce']:.3f} tau {m['tau_probabilistic']:.3f} "
-                            f"acc@1 {m['accept@1']:.3f} top1 {m['top1_acc']:.3f} agree {m['teacher_agreement']:.3f} "
-                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {m['step_seconds']:.2f}s/step "
-                            f"ETA {_fmt_eta(eta)}")
-            if evals is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.total_steps
-                                      or over_budget):
-                _evaluate(trainer, evaluator, evals, tb, step + 1, m.get("tau_probabilistic"), cpu_total)
-            if (step + 1) % cfg.save_every == 0 or step + 1 in (end, cfg.total_steps) or over_budget:
-                trainer.save({"data_position": source.position, "step": step + 1})
-                last_saved = step + 1
-                if cfg.export:
-                    _export_latest(trainer, run_dir, step + 1)
-            if out_of_time:
-                trainer.log(f"time budget spent: {time.time() - t_start:.0f}s at step {step + 1}")
-                break
-            if over_budget:
-                trainer.log(f"CPU budget spent: {cpu_total:.0f}s of training CPU time at step {step + 1}")
-                break
-    finally:
-        if tb is not None:
-            tb.close()
-    if last_saved != int(trainer.state.step):
-        trainer.save({"data_position": source.position, "step": int(trainer.state.step)})
-    return history
-
-
-def _evaluate(trainer: Trainer, evaluator, evals, tb, step: int, train_tau: float | None,
-              cpu_seconds: float | None = None) -> None:
-    """One held-out eval of the current weights: a row in eval.jsonl, TensorBoard eval/*, the PNG."""
-    res = evaluator(trainer.draft())
-    row = {"step": step, "sequences_seen": step * trainer.cfg.global_batch, **res,
-           "train_tau": None if train_tau is None else float(train_tau), "cpu_seconds": cpu_seconds}
-    evals.append(row)
-    tb.add_scalar("eval/tok_per_fwd", res["tok_per_fwd"], step)
-    tb.add_scalar("eval/acceptance_rate", res["acceptance_rate"], step)
-    tb.add_scalar("eval/sequences_seen", row["sequences_seen"], step)
-    for k, p in enumerate(res.get("per_position_acceptance", ())):
-        tb.add_scalar(f"eval/accept_at_{k + 1}", p, step)
-    tb.flush()
-    png = evals.plot()
-    trainer.log(f"eval step {step} ({row['sequences_seen']} sequences seen): held-out tok/fwd "
-                f"{res['tok_per_fwd']:.3f} acceptance {res['acceptance_rate']:.3f} on {res.get('prompts', '?')} "
-                f"prompts ({res.get('eval_seconds', 0.0):.1f}s); curve {png}")
-
-
-def _export_latest(trainer: Trainer, run_dir: Path, step: int) -> None:
-    root = run_dir / "export"
-    dst = root / f"step_{step:07d}"
-    if dst.exists():
-        return
-    trainer.export(dst)
-    others = sorted(d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and d != dst)
-    older = [d for d in others if d.name < dst.name]
-    redone = [d for d in others if d.name > dst.name]      # steps a resumed run is doing again
-    for old in redone + older[:max(0, len(older) - (trainer.cfg.keep_exports - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    trainer.log(f"exported the draft (torch layout) to {dst}")
