@@ -6,7 +6,7 @@ chosen (`speculative_length`: adaptive from measured costs, or always T; `dspark
 `define_flags()` declares the same command-line flags (one definition, one set of defaults) for
 every program; `from_flags()` builds and validates the config from them.
 
-The T = 0 rule lives here: speculation needs both a proposer (a draft model, or an external
+The no-drafts rule lives here: speculation needs both a proposer (a draft model, or an external
 proposer in tests) and T > 0; otherwise the engine decodes plainly (`for_pair`).
 """
 
@@ -88,7 +88,7 @@ class EngineConfig:
 
     def for_pair(self, draft, *, proposer=None) -> tuple[object, "EngineConfig"]:
         """(draft, config) as the engine runs them: without a draft (and without an external
-        proposer) T is 0; with T = 0 the draft is not used."""
+        proposer) T is 0; with no drafts the draft is not used."""
         if draft is None and proposer is None:
             return None, self.replace(num_speculative_tokens=0)
         if not self.speculative:

@@ -23,7 +23,7 @@ give the same one (checkpoints hold parameters, not the map);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
-Monitoring: --eval_every N measures the served tok/fwd of the current weights (T=0, 7 drafts,
+Monitoring: --eval_every N measures the served tok/fwd of the current weights (temperature 0, 7 drafts,
 generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, outside the
 acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> None:
         evaluator = monitor.HeldOutEval(served, prompts, max_new_tokens=FLAGS.eval_max_new_tokens,
                                         num_speculative_tokens=FLAGS.block_size, batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
-            f"{FLAGS.eval_max_new_tokens} new tokens, T=0, {FLAGS.block_size} drafts")
+            f"{FLAGS.eval_max_new_tokens} new tokens, temperature 0, {FLAGS.block_size} drafts")
     trainer_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
                     cpu_budget=FLAGS.cpu_budget, time_budget=FLAGS.time_budget)
     if settings.multi_process:
