@@ -30,7 +30,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 
 # --dtype of the entry points (serving.pair.resolve_dtype): the compute dtype the pair is loaded in
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "auto")
-DTYPE_HELP = ("Target compute dtype (the draft follows it): auto = bfloat16 on GPUs/TPUs and on CPUs whose XLA "
+DTYPE_HELP = ("Target compute dtype (the draft follows it): auto = bfloat16 on GPUs and on CPUs whose XLA "
               "runs bf16 GEMMs natively (AVX-512 BF16 / AMX; numerics.native_bf16_gemm), else as stored; "
               "checkpoint = as stored; float32 / bfloat16 = cast to it.")
 
