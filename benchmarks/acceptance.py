@@ -33,7 +33,7 @@ from pathlib import Path
 from absl import app, flags
 
 from dspark_jax.serving import pair_flags
-from dspark_jax.stats import paired_difference
+from dspark_jax.decode.stats import paired_difference
 
 _MODEL = pair_flags.define_model("smollm2-135m")
 _DRAFTS = flags.DEFINE_list("drafts", ["smollm2-135m-dspark", "untrained"],
@@ -104,7 +104,7 @@ def main(argv):
     import numpy as np
 
     from dspark_jax import load_target
-    from dspark_jax.acceptance import measure_acceptance
+    from dspark_jax.decode.acceptance import measure_acceptance
     from dspark_jax.data.eval_sets import load_gsm8k, load_mt_bench
     from dspark_jax.serving.pair import load_draft_spec
 

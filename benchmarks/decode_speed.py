@@ -82,9 +82,9 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import generate, load_target
-    from dspark_jax.batcher import prefill_bucket
+    from dspark_jax.decode.buckets import prefill_bucket
     from dspark_jax.data.eval_sets import load_gsm8k
-    from dspark_jax.generate import encode_prompt, tokenizer_for
+    from dspark_jax.decode.requests import encode_prompt, tokenizer_for
     from dspark_jax.serving.pair import load_draft_spec
 
     pair_flags.require_one_device("benchmarks.decode_speed")

@@ -5,8 +5,8 @@
     python -m benchmarks.peers --systems ours_plain,ours_spec,hf_greedy --output_json peers.json
 
 Systems (each in every dtype of --dtypes, except llama.cpp which runs the GGUF as shipped):
-  ours_plain       dspark_jax.generate(target, None, ...)                      plain decoding
-  ours_spec        dspark_jax.generate(target, demo draft, T=7)                 speculative decoding
+  ours_plain       dspark_jax.decode.generate(target, None, ...)                      plain decoding
+  ours_spec        dspark_jax.decode.generate(target, demo draft, T=7)                 speculative decoding
   hf_greedy        transformers LlamaForCausalLM.generate(do_sample=False)     on the same weights
   hf_pld           the same with prompt_lookup_num_tokens=--prompt_lookup_num_tokens
   llamacpp_plain   llama-cpp-python on the SmolLM2 Q4_1 GGUF                   if importable
@@ -103,7 +103,7 @@ def main(argv):
 
     from dspark_jax import presets
     from dspark_jax.data.eval_sets import load_gsm8k
-    from dspark_jax.generate import encode_prompt
+    from dspark_jax.decode.requests import encode_prompt
     from dspark_jax.tokenizer import load_tokenizer
 
     model_dir = presets.resolve_model_path(_MODEL.value)

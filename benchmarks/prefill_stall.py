@@ -4,8 +4,8 @@ whole-prompt prefill.
     python -m benchmarks.prefill_stall --prompt_tokens 3000 --budgets 512,8192
 
 For each `--max_num_batched_tokens` value, one stream (a short chat prompt) decodes greedily in
-a `Batcher`; once it runs, a prompt of `--prompt_tokens` tokens (token ids from the tokenizer's
-encoding of repeated text) arrives. Every `Batcher.step` is timed until the long prompt's first
+a `Scheduler`; once it runs, a prompt of `--prompt_tokens` tokens (token ids from the tokenizer's
+encoding of repeated text) arrives. Every `Scheduler.step` is timed until the long prompt's first
 token: the longest step is the longest the stream waited for its next tokens, the sum is the
 long prompt's time to first token. A first pass of the same scenario compiles the programs; the
 second is timed. Prints one row per budget and writes JSON.
@@ -26,7 +26,7 @@ _DRAFT = pair_flags.define_draft_model("smollm2-135m-dspark")
 _DTYPE = pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Target compute dtype.")
 _TOKENS = flags.DEFINE_integer("prompt_tokens", 3000, "Tokens of the long prompt.", lower_bound=1)
 _BUDGETS = flags.DEFINE_list("budgets", ["512", "8192"], "max_num_batched_tokens values to compare.")
-_MAX_LEN = flags.DEFINE_integer("max_model_len", 4096, "Sequence capacity of the batcher.", lower_bound=64)
+_MAX_LEN = flags.DEFINE_integer("max_model_len", 4096, "Sequence capacity of the scheduler.", lower_bound=64)
 _T = flags.DEFINE_integer("num_speculative_tokens", 7, "Drafts per verify step.", lower_bound=0)
 pair_flags.define_tp()
 _JSON = flags.DEFINE_string("output_json", None, "Write the results here.")
@@ -37,10 +37,10 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax.api import load_draft, load_target
-    from dspark_jax.batcher import Batcher, Request
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import encode_prompt, tokenizer_for
+    from dspark_jax.decode.scheduler import Scheduler, Request
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.requests import encode_prompt, tokenizer_for
     from dspark_jax.hostinfo import describe_cpu
 
     pair_flags.require_one_device("benchmarks.prefill_stall")
@@ -55,20 +55,20 @@ def main(argv):
         raise app.UsageError(f"the filler text encodes to {len(long_prompt)} tokens, fewer than --prompt_tokens")
     rows = []
     for budget in (int(b) for b in _BUDGETS.value):
-        batcher = Batcher(engine, 2, _MAX_LEN.value, max_num_batched_tokens=budget)
+        scheduler = Scheduler(engine, 2, _MAX_LEN.value, max_num_batched_tokens=budget)
         for timed in (False, True):
             stream = Request(stream_prompt, _MAX_LEN.value - len(stream_prompt) - engine.t - 1)
-            batcher.add(stream)
-            batcher.step()
+            scheduler.add(stream)
+            scheduler.step()
             long_req = Request(long_prompt, 1)
-            batcher.add(long_req)
+            scheduler.add(long_req)
             steps, before = [], len(stream.tokens)
             while not long_req.tokens:
                 t0 = time.perf_counter()
-                batcher.step()
+                scheduler.step()
                 steps.append(time.perf_counter() - t0)
             got = len(stream.tokens) - before
-            batcher.abort(stream)
+            scheduler.abort(stream)
             if timed:
                 rows.append(dict(max_num_batched_tokens=budget, prefill_steps=len(steps),
                                  longest_stall_s=max(steps), time_to_first_token_s=sum(steps),

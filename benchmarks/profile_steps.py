@@ -326,7 +326,7 @@ def programs(eng, b: int, t: int, context: int):
     import jax
     import jax.numpy as jnp
 
-    from dspark_jax.batcher import pow2
+    from dspark_jax.decode.buckets import pow2
 
     max_len = max(512, pow2(context + t + 1))
     caches = eng.new_caches(b, max_len)
@@ -451,8 +451,8 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import load_target
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.config import EngineConfig
     from dspark_jax.serving.pair import load_draft_spec
 
     pair_flags.require_one_device("benchmarks.profile_steps")

@@ -2,7 +2,7 @@
 
     python -m benchmarks.regen_batch --prompts runs/demo/prompts.jsonl --batch_sizes 8,16,32,64
 
-For each batch size B, the continuous-batching loop (the `Batcher` regen drives) answers
+For each batch size B, the continuous-batching loop (the `Scheduler` regen drives) answers
 `--rounds` x B pool prompts (chat template, temperature 0, <= --max_new_tokens): a first pass of B prompts
 compiles the programs, then the timed pass answers the next `--rounds` x B prompts. Prints
 tokens/s per batch size and the ratio to the best, and writes JSON. Generated tokens count every
@@ -41,10 +41,12 @@ def main(argv):
     import jax.numpy as jnp
 
     from dspark_jax import load_target
-    from dspark_jax.batcher import Batcher, Request, pow2
+    from dspark_jax.decode.scheduler import Scheduler, Request
+    from dspark_jax.decode.buckets import pow2
     from dspark_jax.bench.steps_timing import CompileClock
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import encode_prompt, engine_for, eos_ids
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.requests import encode_prompt, eos_ids
+    from dspark_jax.decode.generate import engine_for
     from dspark_jax.presets import resolve_model_path
     from dspark_jax.tokenizer import load_tokenizer
     from dspark_jax.train import regen
@@ -63,18 +65,18 @@ def main(argv):
     clock = CompileClock()
     rows = []
     for b in sizes:
-        batcher = Batcher(engine, b, max_len)
+        scheduler = Scheduler(engine, b, max_len)
         # warm-up pass: compiles the first prefill and batch buckets (the timed pass may meet more)
-        batcher.run([Request(p, _NEW.value, eos_ids=eos) for p in prompts[:b]])
+        scheduler.run([Request(p, _NEW.value, eos_ids=eos) for p in prompts[:b]])
         reqs = [Request(p, _NEW.value, eos_ids=eos) for p in prompts[b:b * (_ROUNDS.value + 1)]]
         for r in reqs:
-            batcher.add(r)
+            scheduler.add(r)
         clock.reset()
         t0 = time.perf_counter()
         full = None
-        while batcher.has_work():
-            batcher.step()
-            if full is None and batcher.num_waiting == 0:
+        while scheduler.has_work():
+            scheduler.step()
+            if full is None and scheduler.num_waiting == 0:
                 # every slot was busy until now; from here the batch drains, which a long run never does
                 full = (time.perf_counter() - t0, clock.seconds, sum(len(r.tokens) for r in reqs))
         dt = time.perf_counter() - t0
@@ -84,7 +86,7 @@ def main(argv):
         rows.append({"batch_size": b, "prompts": len(reqs), "tokens": tokens, "wall_s": dt, "compile_s": comp,
                      "tok_per_s": tokens / dt, "tok_per_s_compiled": tokens / max(dt - comp, 1e-9),
                      "full_s": full[0], "full_compile_s": full[1], "full_tokens": full[2],
-                     "tok_per_s_full_compiled": full_rate, "engine_steps": batcher.num_steps})
+                     "tok_per_s_full_compiled": full_rate, "engine_steps": scheduler.num_steps})
         print(f"batch {b:3d}: {len(reqs)} prompts, {tokens} tokens in {dt:.1f}s = {tokens / dt:.1f} tok/s "
               f"({comp:.1f}s compiling; {tokens / max(dt - comp, 1e-9):.1f} tok/s without); while every slot "
               f"was busy: {full[2]} tokens in {full[0]:.1f}s, {full_rate:.1f} tok/s less compiling", flush=True)

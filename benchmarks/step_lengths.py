@@ -3,8 +3,8 @@
     python -m benchmarks.step_lengths                                  # demo pair, 8192 positions
     python -m benchmarks.step_lengths --key_chunks 64,128,256 --rounds 2
 
-The server's engine (demo pair, `--dtype auto`, `--max_model_len`) and a `Batcher` over its slots
-time one step program at a time through the batcher's own `run_step`, on rows whose lengths are all
+The server's engine (demo pair, `--dtype auto`, `--max_model_len`) and a `Scheduler` over its slots
+time one step program at a time through the scheduler's own `run_step`, on rows whose lengths are all
 `L` (the cache holds zeros: the step's cost does not depend on the values): a one-token step
 (width 0) and a verify of T drafts, over 1 and 8 rows, for each L in `--lengths`. Each call is
 made twice untimed (compile or load, first run), then `--reps` times; the median is printed, in ms.
@@ -37,10 +37,10 @@ def main(argv):
     del argv
     import numpy as np
 
-    from dspark_jax import warmup
-    from dspark_jax.batcher import Batcher
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.decode import warmup
+    from dspark_jax.decode.scheduler import Scheduler
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.config import EngineConfig
     from dspark_jax.hostinfo import describe_cpu
     from dspark_jax.layers import paged_attention
     from dspark_jax.serving.pair import load_pair
@@ -49,7 +49,7 @@ def main(argv):
     pair = load_pair()
     draft, config = EngineConfig(max_model_len=_MAX_LEN.value).for_pair(pair.draft)
     eng = Engine(pair.target, draft, config)
-    b = Batcher(eng, max(int(r) for r in _ROWS.value), _MAX_LEN.value)
+    b = Scheduler(eng, max(int(r) for r in _ROWS.value), _MAX_LEN.value)
     chunks = [int(c) for c in _CHUNKS.value] or [paged_attention.key_chunk()]
     lengths = [int(x) for x in _LENGTHS.value]
     if max(lengths) + eng.t + 1 > _MAX_LEN.value:

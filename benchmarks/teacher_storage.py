@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
     if len(_STORAGES.value) < 2:
         raise app.UsageError("--storages: name at least two dtypes (the first is the baseline)")
     from dspark_jax.hostinfo import describe_cpu
-    from dspark_jax.stats import paired_difference, paired_mean_difference
+    from dspark_jax.decode.stats import paired_difference, paired_mean_difference
     from dspark_jax.train import teacher
 
     out = Path(_OUT.value)

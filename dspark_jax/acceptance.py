@@ -1,5 +1,5 @@
 """Acceptance measured one way: a draft's tok/fwd over prompts, through `generate()` (the `Engine`
-and the `Batcher` the server runs), with each prompt's statistics.
+and the `Scheduler` the server runs), with each prompt's statistics.
 
 Three callers read their figures from it: the acceptance card (`serving/card.py`, one prompt a
 call: a conversation's turns follow its own answers), the drafts' comparison
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from dspark_jax.generate import RequestOutput, generate
-from dspark_jax.stats import SpecStats
+from dspark_jax.decode.generate import RequestOutput, generate
+from dspark_jax.decode.stats import SpecStats
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Continuous batching over cache slots: the one scheduling loop that `generate()`, the HTTP
 server, the benchmark and answer generation drive.
 
-`Request` is one sequence (its prompt, limits, sampling and what it produced); `Batcher` admits
+`Request` is one sequence (its prompt, limits, sampling and what it produced); `Scheduler` admits
 waiting requests into free slots, runs at most one prefill call of at most
 `max_num_batched_tokens` prompt tokens (a long prompt goes in chunk by chunk over several steps,
 holding its slot meanwhile), then runs one propose/verify `Engine.step` over the sequences whose
@@ -16,7 +16,7 @@ short sequence in a long-context server for its own length, with one program for
 pool and the slots stay as allocated; the rows carry their slot numbers (`Engine.step_fn`'s `rows_B`).
 
 Each step verifies L drafts, L chosen for the step from the engine's pooled acceptance and the
-measured cost of a step over its batch bucket (`dspark_jax.spec_length`; `speculative_length=
+measured cost of a step over its batch bucket (`dspark_jax.decode.spec_length`; `speculative_length=
 "fixed"`: always T). A bucket whose costs are not known yet is measured when first met
 (`measure_step_costs`, a few timed steps on padding rows per length), once per host and model;
 the wall time of every step run then corrects those figures (`StepTimes`).
@@ -36,20 +36,20 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.engine import Engine
+from dspark_jax.decode.engine import Engine
 from dspark_jax.errors import RequestError
-from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
-from dspark_jax.stats import SpecStats
+from dspark_jax.decode.spec_length import SPECULATIVE_LENGTHS, StepCosts, candidate_lengths, choose_length
+from dspark_jax.decode.stats import SpecStats
 
 log = logging.getLogger("dspark_jax")
 
-_KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Batcher._next_key`)
+_KEYS_PER_SPLIT = 64      # PRNG keys split off at once (`Scheduler._next_key`)
 COST_REPS = 5             # timed rounds over the lengths per bucket; the fastest of each is kept
 
 
 @dataclass(eq=False)
 class Request:
-    """One sequence in the batcher: its prompt, limits and sampling, and what it produced."""
+    """One sequence in the scheduler: its prompt, limits and sampling, and what it produced."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -65,7 +65,7 @@ class Request:
     prefilled: int = 0                     # prompt tokens already in the cache (chunked prefill)
 
 
-class Batcher:
+class Scheduler:
     """Continuous batching over `max_num_seqs` cache slots of capacity `max_len` tokens.
 
     Each `step()` admits waiting requests into free slots, runs one prefill call of at most
@@ -208,7 +208,7 @@ class Batcher:
         return bool(self.waiting) or self.num_running > 0
 
     def check(self, req: Request) -> None:
-        """Raise RequestError if `req` can never run in this batcher."""
+        """Raise RequestError if `req` can never run in this scheduler."""
         if not req.prompt:
             raise RequestError("the prompt is empty")
         if req.max_new_tokens < 1:
@@ -398,7 +398,7 @@ class Batcher:
         """One prefill call of prompt chunks at positions `starts_P`.. (None: 0; rows past the
         prompts: slot = number of slots, length 0); the tokens sampled after each chunk (at
         `temperature` / `top_p`: numbers or per-row arrays). The
-        warm-up (`dspark_jax.warmup`) calls it with padding rows only."""
+        warm-up (`dspark_jax.decode.warmup`) calls it with padding rows only."""
         if starts_P is None:
             starts_P = np.zeros(len(lens_P), np.int32)
         first, self.caches = self.engine.prefill(tokens_PS, lens_P, slots_P, self.caches, self._next_key(),

@@ -10,15 +10,15 @@
   Drafts of width 0 are a plain one-token step through the same program.
 
 Each program is a pure function of (target state, draft state, inputs, caches) compiled once per
-static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.programs`:
+static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.decode.programs`:
 the least recently used are dropped near the process's memory-mapping limit); its rows name their
 cache slots, so a call computes the running sequences only (padding rows write nothing), and its
 attention reads keys as far as its longest row reaches (`layers.paged_attention`), so no program
 depends on the sequences' lengths. `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
-warm-up). The scheduling loop over these programs is `dspark_jax.batcher.Batcher`; the engine
+warm-up). The scheduling loop over these programs is `dspark_jax.decode.scheduler.Scheduler`; the engine
 keeps what it chooses the speculation length from (`acceptance`, `step_costs()`, `step_times`,
-`dspark_jax.spec_length`), shared by every batcher that drives it.
+`dspark_jax.decode.spec_length`), shared by every scheduler that drives it.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from dspark_jax import steps
+from dspark_jax.decode import steps
 from dspark_jax.cache import PagedPool, TargetCaches, bits_storage, storage_dtype
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.programs import CompiledPrograms
+from dspark_jax.decode.programs import CompiledPrograms
 from dspark_jax.sampling import sample_tokens
 from dspark_jax.sharding import logical_to_spec
-from dspark_jax.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
+from dspark_jax.decode.spec_length import AcceptanceEstimate, StepCosts, StepTimes, costs_for
 
 
 def embed_and_head(target):
@@ -80,7 +80,7 @@ class Engine:
         self.acceptance = AcceptanceEstimate(self.t)
         self.step_times = StepTimes()        # what its steps took, host loop included
         # the programs called or compiled so far, one jit per shape, least recently used dropped near
-        # the process's memory-mapping limit (`dspark_jax.programs`)
+        # the process's memory-mapping limit (`dspark_jax.decode.programs`)
         self.programs = CompiledPrograms()
         self._step_costs: StepCosts | None = None
         self.aux_ids = tuple(draft.cfg.target_layer_ids) if draft is not None else ()
@@ -116,12 +116,12 @@ class Engine:
     @property
     def programs_called(self) -> set:
         """The step programs called or compiled and still held, by the tag their caller gave
-        (`Batcher._program_key`)."""
+        (`Scheduler._program_key`)."""
         return self.programs.tags()
 
     def step_costs(self) -> StepCosts:
         """The measured step costs of this engine's programs on the host it runs on (loaded from the cost
-        cache on first use; buckets not measured yet are measured by the batcher that meets them)."""
+        cache on first use; buckets not measured yet are measured by the scheduler that meets them)."""
         if self._step_costs is None:
             self._step_costs = costs_for(self)
         return self._step_costs

@@ -2,7 +2,7 @@
 
 `EngineConfig` holds what shapes the compiled steps and the caches: drafts per verify step T,
 cache storage dtype, page size, slots, sequence capacity and how each step's speculation length is
-chosen (`speculative_length`: adaptive from measured costs, or always T; `dspark_jax.spec_length`).
+chosen (`speculative_length`: adaptive from measured costs, or always T; `dspark_jax.decode.spec_length`).
 `define_flags()` declares the same command-line flags (one definition, one set of defaults) for
 every program; `from_flags()` builds and validates the config from them.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from dspark_jax.cache import storage_dtype
 from dspark_jax.errors import RequestError
-from dspark_jax.spec_length import SPECULATIVE_LENGTHS, StepCosts
+from dspark_jax.decode.spec_length import SPECULATIVE_LENGTHS, StepCosts
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
@@ -45,13 +45,13 @@ class EngineConfig:
     # "adaptive": each step verifies the L in 0..T of most expected tokens per second, from the
     # acceptance measured so far and the measured cost of a step at its batch size (where a verify
     # of T+1 tokens a row is compute-bound, a CPU at batch 8, L shrinks, down to one-token steps);
-    # "fixed": always T. The Batcher applies it (the compiled programs take L as a static width)
+    # "fixed": always T. The Scheduler applies it (the compiled programs take L as a static width)
     speculative_length: str = "adaptive"
     # the step-cost model for "adaptive" (None: measured on the host it runs on and cached on disk,
     # spec_length.costs_for); compared by identity
     step_costs: StepCosts | None = None
     # prompt tokens per engine step: longer prompts are prefilled chunk by chunk, interleaved with
-    # the decode steps of the running sequences (the Batcher applies it). None: no bound, whole
+    # the decode steps of the running sequences (the Scheduler applies it). None: no bound, whole
     # prompts all at once (offline batches, `generate()`'s default)
     max_num_batched_tokens: int | None = MAX_NUM_BATCHED_TOKENS
 

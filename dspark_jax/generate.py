@@ -3,7 +3,7 @@ shares with the server, the benchmark and answer generation (prompt encoding, en
 ids, stop strings, output text).
 
 It validates the call, builds (or reuses) the `Engine` for its setting and runs every prompt
-through one `Batcher`. `draft=None` or `num_speculative_tokens=0` is plain decoding through the
+through one `Scheduler`. `draft=None` or `num_speculative_tokens=0` is plain decoding through the
 same code (`EngineConfig.for_pair`).
 """
 
@@ -16,14 +16,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dspark_jax.batcher import Batcher, Request, pow2
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.buckets import pow2
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 from dspark_jax.errors import RequestError
 from dspark_jax.kernels.dispatch import kernel_mode, mla_paged_min_keys
-from dspark_jax.spec_length import StepCosts
+from dspark_jax.decode.spec_length import StepCosts
 from dspark_jax.sources import source_of
-from dspark_jax.stats import SpecStats
+from dspark_jax.decode.stats import SpecStats
 
 
 @dataclass
@@ -65,7 +66,7 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     `max_num_batched_tokens`: prompt tokens prefilled per engine step (longer prompts go in chunk
     by chunk, between the decode steps of those already in; output is unchanged); None (the
     default): every prompt whole, all before the first decode step, in calls of prompts of like
-    length (`batcher.prefill_groups`; the server's default is 2048).
+    length (`scheduler.prefill_groups`; the server's default is 2048).
     `max_num_seqs`: sequences decoded at once (cache slots); a prompt waits for a slot, taken as
     soon as a sequence finishes (continuous batching, as the server does), so a cache for this
     many sequences is allocated rather than one for every prompt. None (the default): all prompts at once.
@@ -114,10 +115,10 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
 
     if engine is None:
         engine = engine_for(target, draft, config)
-    batcher = Batcher(engine, min(max_num_seqs or len(ids), len(ids)), max_len, seed=seed, proposer=proposer,
+    scheduler = Scheduler(engine, min(max_num_seqs or len(ids), len(ids)), max_len, seed=seed, proposer=proposer,
                       speculative_length=config.speculative_length, step_costs=config.step_costs,
                       max_num_batched_tokens=config.max_num_batched_tokens)
-    reqs = batcher.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
+    reqs = scheduler.run([Request(p, max_new_tokens, temperature, top_p, eos, check, index=i)
                         for i, p in enumerate(ids)])
     outputs, total = [], SpecStats(engine.t)
     for r in reqs:

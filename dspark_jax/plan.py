@@ -6,11 +6,11 @@ time for a mesh of fake CPU devices. The plan reports per weight class its shard
 per-device bytes, the cache bytes, and per program XLA's own per-device buffer assignment
 (`compiled.memory_analysis()`): arguments, outputs not aliased to donated inputs, temporaries.
 
-The programs are the server's (`dspark_jax.plan_programs`): an `Engine` over the abstract weights
+The programs are the server's (`dspark_jax.plan.server_programs`): an `Engine` over the abstract weights
 (placed as `sharding.param_shardings` places them) and the engine's own cache shardings drives a
-`Batcher` with the serving flags (slots, `max_model_len`, `max_num_batched_tokens`, speculation
-length). `warmup.program_shapes` lists what that batcher can call (greedy and sampling programs,
-as `serve.server` warms up); the plan makes the batcher's own call for the largest shape
+`Scheduler` with the serving flags (slots, `max_model_len`, `max_num_batched_tokens`, speculation
+length). `warmup.program_shapes` lists what that scheduler can call (greedy and sampling programs,
+as `serve.server` warms up); the plan makes the scheduler's own call for the largest shape
 of each kind (`warmup.call_program`), and the engine, instead of running it, hands back the jitted
 program (`Engine.prefill_jit` / `step_jit`) with exactly those arguments, which is then lowered
 and compiled:
@@ -53,12 +53,12 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax import warmup
+from dspark_jax.decode import warmup
 from dspark_jax.cache import TargetCaches
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.plan_programs import (PROGRAMS, MoEFlops, describe, largest_programs, moe_flops,
-                                      program_call, serving_batcher)
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.plan.server_programs import (PROGRAMS, MoEFlops, describe, largest_programs, moe_flops,
+                                      program_call, serving_scheduler)
 
 GIB = 2**30
 # XLA flags for compiling without running: LLVM's optimisations change code speed, not buffers
@@ -323,16 +323,16 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
         draft = params_lib.abstract(lambda: K3DSparkModel(draft_cfg, dtype=jnp.dtype(draft_cfg.dtype),
                                                           rngs=nnx.Rngs(0)))
     draft, config = shape.engine.for_pair(draft)
-    batcher = serving_batcher(target, draft, config, mesh)
-    t = batcher.engine.t
+    scheduler = serving_scheduler(target, draft, config, mesh)
+    t = scheduler.engine.t
     if progress:
         progress(f"abstract models built in {time.perf_counter() - t0:.1f} s")
-    shapes = warmup.program_shapes(batcher, sampled=True)
+    shapes = warmup.program_shapes(scheduler, sampled=True)
     largest = largest_programs(shapes, t)
     # no context mesh, as in serve.server: the programs find the mesh on their arguments' shardings
-    reports = [compile_program(kind, describe(kind, s, batcher), program_call(batcher, s).lower, progress)[0]
+    reports = [compile_program(kind, describe(kind, s, scheduler), program_call(scheduler, s).lower, progress)[0]
                for kind, s in largest.items() if kind in programs]
-    caches = batcher.engine.abstract_caches
+    caches = scheduler.engine.abstract_caches
     shardings = jax.tree.map(lambda x: x.sharding, caches)
     prefill = largest.get("prefill")
     return Plan(shape, dict(mesh.shape), weight_groups(target, draft, mesh), cache_groups(caches, shardings),
@@ -398,7 +398,7 @@ def format_plan(plan: Plan, title: str) -> list[str]:
 def _warmup_lines(plan: Plan) -> list[str]:
     total = sum(plan.warmup_programs.values())
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(plan.warmup_programs.items()))
-    lines = ["", f"server warm-up list (dspark_jax.warmup.program_shapes, greedy and sampling): "
+    lines = ["", f"server warm-up list (dspark_jax.decode.warmup.program_shapes, greedy and sampling): "
                  f"{total} programs ({kinds})" + ("; the largest of each kind compiled above" if plan.programs else "")]
     if plan.programs and total:
         mean = sum(p.lower_s + p.compile_s for p in plan.programs) / len(plan.programs)

@@ -1,9 +1,9 @@
 """The server's own programs for a deployment plan (`dspark_jax.plan`), without weights.
 
-`serving_batcher` builds the `Batcher` that `serve.server` builds for the same flags, over a
+`serving_scheduler` builds the `Scheduler` that `serve.server` builds for the same flags, over a
 `PlanEngine`: the `Engine` over abstract weights (ShapeDtypeStructs placed as the loaders place
 them) and abstract caches carrying the engine's own cache shardings. `warmup.program_shapes` of
-that batcher is the server's warm-up list; `program_call` makes the batcher's own call for one of
+that scheduler is the server's warm-up list; `program_call` makes the scheduler's own call for one of
 its shapes, and the engine, instead of running the program, hands back the jitted program
 (`Engine.prefill_jit` / `step_jit`) with exactly the arguments the call passed, to be lowered and
 compiled ahead of time. `moe_flops` counts one MoE layer's FLOPs per device from the layer's
@@ -22,12 +22,12 @@ from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax import warmup
-from dspark_jax.batcher import Batcher
+from dspark_jax.decode import warmup
+from dspark_jax.decode.scheduler import Scheduler
 from dspark_jax.cache import TargetCaches
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.spec_length import StepCosts
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.spec_length import StepCosts
 
 # the programs a plan compiles, the largest of each kind in the server's warm-up list
 PROGRAMS = ("prefill", "step", "verify")
@@ -64,8 +64,8 @@ def with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def serving_batcher(target, draft, config: EngineConfig, mesh: Mesh) -> Batcher:
-    """A `Batcher` as `serve.server` builds it for these flags, over a `PlanEngine` of these
+def serving_scheduler(target, draft, config: EngineConfig, mesh: Mesh) -> Scheduler:
+    """A `Scheduler` as `serve.server` builds it for these flags, over a `PlanEngine` of these
     (abstract) models. Step costs: none measured (every speculation length is reachable) unless
     the config gives a cost model."""
     engine = PlanEngine(target, draft, config)
@@ -76,7 +76,7 @@ def serving_batcher(target, draft, config: EngineConfig, mesh: Mesh) -> Batcher:
     caches = jax.eval_shape(lambda: Engine.new_caches(engine, b, max_len))     # no mesh yet: no placement
     engine.mesh = mesh        # as an engine over placed weights finds it (its outputs are pinned to it)
     engine.abstract_caches = with_shardings(caches, engine._cache_shardings(caches))
-    return Batcher(engine, b, max_len, speculative_length=config.speculative_length,
+    return Scheduler(engine, b, max_len, speculative_length=config.speculative_length,
                    step_costs=config.step_costs or StepCosts(), max_num_batched_tokens=config.max_num_batched_tokens)
 
 
@@ -95,17 +95,17 @@ def largest_programs(shapes: Sequence[warmup.ProgramShape], t: int) -> dict[str,
     return {k: out[k] for k in PROGRAMS if k in out}
 
 
-def program_call(batcher: Batcher, shape: warmup.ProgramShape) -> ProgramCall:
-    """The program and arguments `batcher` (over a `PlanEngine`) calls for `shape`."""
+def program_call(scheduler: Scheduler, shape: warmup.ProgramShape) -> ProgramCall:
+    """The program and arguments `scheduler` (over a `PlanEngine`) calls for `shape`."""
     try:
-        warmup.call_program(batcher, shape)
+        warmup.call_program(scheduler, shape)
     except ProgramCall as call:
         return call
-    raise RuntimeError(f"{shape}: the batcher's call reached no engine program")
+    raise RuntimeError(f"{shape}: the scheduler's call reached no engine program")
 
 
-def describe(kind: str, s: warmup.ProgramShape, batcher: Batcher) -> str:
-    t, max_len = batcher.engine.t, batcher.max_len
+def describe(kind: str, s: warmup.ProgramShape, scheduler: Scheduler) -> str:
+    t, max_len = scheduler.engine.t, scheduler.max_len
     sampling = "sampling" if s.sampled else "greedy"
     if kind == "prefill":
         what = f"{s.rows} x {s.length}-token prompt chunk (target + draft context rows)"

@@ -42,7 +42,7 @@ def memory_mappings() -> tuple[int, int] | None:
 
 class Program(NamedTuple):
     jitted: Callable                 # a jax.jit of its own: dropping it drops its executable
-    tag: Hashable                    # what the caller calls this program (e.g. `batcher.StepProgram`)
+    tag: Hashable                    # what the caller calls this program (e.g. `scheduler.StepProgram`)
 
 
 class CompiledPrograms:

@@ -11,12 +11,12 @@ steps, never at the target's verdict on the current one, so greedy output stays 
   step of an engine, with a prior so it starts sensibly and keeps an estimate for positions it
   rarely verifies.
 - `StepCosts`: c(B, L) by batch bucket, measured once per bucket on padding rows
-  (`Batcher.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
+  (`Scheduler.measure_step_costs`) and kept on disk as JSON, keyed by what decides the figures: the
   CPU model and its bf16 flags (or the GPU model), the device count, the JAX version, the model
   pair's configs, the dtypes, T, the page size, how attention reads the pool (its key chunk) and
   the library's source.
 - `StepTimes`: the wall time of the steps the engine really ran (its host loop included), by batch
-  bucket, length bucket (`Batcher.time_bucket`: the positions its longest row reaches) and L. A
+  bucket, length bucket (`Scheduler.time_bucket`: the positions its longest row reaches) and L. A
   measured table times the program alone, on padding rows (the shortest length); what a step
   costs in the loop can differ by more than the margin between two lengths, so the observed
   medians replace the table's figures, and the table, scaled by what was observed beside it,

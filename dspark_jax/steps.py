@@ -7,7 +7,7 @@
 - `draft_block`: the draft's block pass from the pool + Markov-head drafting + confidence.
 - `accept`: greedy verification, and lossless rejection sampling for temperature > 0.
 
-Generation (`dspark_jax.generate`) calls them on caches; distillation calls `target_forward`'s
+Generation (`dspark_jax.decode.generate`) calls them on caches; distillation calls `target_forward`'s
 cacheless sibling (`target.forward`) as the teacher and the draft's `block_hidden` in its
 multi-anchor form.
 """

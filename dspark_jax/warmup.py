@@ -1,15 +1,15 @@
-"""Compiling a `Batcher`'s programs before traffic, and keeping them across restarts.
+"""Compiling a `Scheduler`'s programs before traffic, and keeping them across restarts.
 
-`program_shapes` lists every (program, rows, length) shape a batcher can call: prefill (one
+`program_shapes` lists every (program, rows, length) shape a scheduler can call: prefill (one
 program for greedy and sampled prompts) per batch bucket x chunk bucket within
 `max_num_batched_tokens` (a longer prompt's later chunks run the one-row full-width program of its
-first); the decode step per batch bucket x speculation length the batcher can choose
-(`Batcher.reachable_lengths`), greedy and (with `sampled=True`) sampling (sampling settings are
+first); the decode step per batch bucket x speculation length the scheduler can choose
+(`Scheduler.reachable_lengths`), greedy and (with `sampled=True`) sampling (sampling settings are
 traced per row, so one sampling program serves every temperature and top_p). No program depends on
 how long the sequences are: attention reads as far as the longest row reaches
 (`dspark_jax.layers.paged_attention`).
 
-`warm_up` compiles them, cheapest first, through the batcher's own calls on padding rows (the
+`warm_up` compiles them, cheapest first, through the scheduler's own calls on padding rows (the
 arguments a request's call passes; nothing is written), so they land in the engine's programs
 as a request would call them, and runs each one once where that is cheap (`RUN_TOKENS`):
 XLA:CPU's first run of a compiled program costs far more than the next (the demo pair's step:
@@ -21,7 +21,7 @@ memory-mapping limit (`MAPPINGS_SHARE`).
 `enable_compilation_cache` turns on JAX's persistent compilation cache, so a restarted server loads
 its programs instead of compiling them again. `measure_step_costs` measures the step costs the
 adaptive speculation length needs for every batch bucket not measured yet on the host it runs on (kept on
-disk beside the compilation cache, `dspark_jax.spec_length`).
+disk beside the compilation cache, `dspark_jax.decode.spec_length`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dspark_jax.batcher import Batcher, batch_buckets, chunk_bucket
-from dspark_jax.programs import memory_mappings
+from dspark_jax.decode.scheduler import Scheduler
+from dspark_jax.decode.buckets import batch_buckets, chunk_bucket
+from dspark_jax.decode.programs import memory_mappings
 
 log = logging.getLogger("dspark_jax")
 
 ENV_CACHE = "DSPARK_COMPILATION_CACHE"    # a directory, or "off"
-# the warm-up stops at this share of the process's memory-mapping limit (`dspark_jax.programs`):
+# the warm-up stops at this share of the process's memory-mapping limit (`dspark_jax.decode.programs`):
 # below the share at which the engine starts dropping programs (0.8), so it never drops what it
 # warmed. The list is every shape requests can meet, so once it is all warmed nothing compiles
 # later; the demo pair's whole list at --max_model_len 8192 holds ~45,000 of 65,530 (0.69).
@@ -55,7 +56,7 @@ RUN_TOKENS = 4096
 
 @dataclass(frozen=True)
 class ProgramShape:
-    """One compiled program a batcher can call. `length`: the chunk bucket (prefill; None for
+    """One compiled program a scheduler can call. `length`: the chunk bucket (prefill; None for
     steps); `sampled`: the program of steps where some row samples (else every row is greedy);
     `width`: drafts verified (None: the engine's T; 0 with a T > 0 engine: a one-token step; else a
     shorter speculation length)."""
@@ -79,17 +80,17 @@ class ProgramShape:
         return what + (" sampled" if self.sampled else "")
 
 
-def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape]:
-    """Every shape `batcher` can call for greedy requests (and for sampled ones with `sampled`),
+def program_shapes(scheduler: Scheduler, sampled: bool = False) -> list[ProgramShape]:
+    """Every shape `scheduler` can call for greedy requests (and for sampled ones with `sampled`),
     cheapest first (greedy steps first among equals)."""
-    slots, max_len, t = batcher.num_slots, batcher.max_len, batcher.engine.t
+    slots, max_len, t = scheduler.num_slots, scheduler.max_len, scheduler.engine.t
     buckets = batch_buckets(slots, slots)
     longest_prompt = max_len - t - 1
-    budget = batcher.max_num_batched_tokens           # None: whole prompts, any rows
+    budget = scheduler.max_num_batched_tokens           # None: whole prompts, any rows
     longest_chunk = longest_prompt if budget is None else min(longest_prompt, budget)
     chunks = sorted({chunk_bucket(n, budget) for n in [1] + [1 << k for k in range(longest_chunk.bit_length())]
                      + [longest_chunk]})
-    widths = [None if n == t else n for n in batcher.reachable_lengths()]
+    widths = [None if n == t else n for n in scheduler.reachable_lengths()]
     # one prefill program serves greedy and sampled prompts (`Engine.prefill`)
     out = [ProgramShape("prefill", b, c, True) for b in buckets for c in chunks
            if budget is None or b == 1 or b * c <= budget]
@@ -98,14 +99,14 @@ def program_shapes(batcher: Batcher, sampled: bool = False) -> list[ProgramShape
     return sorted(out, key=lambda p: (p.positions(t), p.sampled, p.kind, p.width or 0))
 
 
-def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool = False,
+def warm_up(scheduler: Scheduler, *, max_programs: int | None = None, sampled: bool = False,
             progress: Callable[[int, int, ProgramShape], None] | None = None) -> dict:
-    """Compile each of the batcher's program shapes (the cheapest `max_programs`; None: all) and
+    """Compile each of the scheduler's program shapes (the cheapest `max_programs`; None: all) and
     run each over at most `RUN_TOKENS` positions once on padding rows, stopping early once the
     process holds `MAPPINGS_SHARE` of its memory-mapping limit. Returns
     {"programs", "skipped",
     "seconds", "cache_hits"} (cache_hits: loaded from the persistent compilation cache)."""
-    shapes = program_shapes(batcher, sampled)
+    shapes = program_shapes(scheduler, sampled)
     todo = shapes if max_programs is None else shapes[:max_programs]
     done = 0
     hits = []
@@ -116,11 +117,11 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool 
         for i, shape in enumerate(todo):
             if progress is not None:
                 progress(i, len(todo), shape)
-            if shape.positions(batcher.engine.t) <= RUN_TOKENS:
-                call_program(batcher, shape)
+            if shape.positions(scheduler.engine.t) <= RUN_TOKENS:
+                call_program(scheduler, shape)
             else:
-                with batcher.engine.compile_only():
-                    call_program(batcher, shape)
+                with scheduler.engine.compile_only():
+                    call_program(scheduler, shape)
             done += 1
             held = memory_mappings()
             if held is not None and held[0] > MAPPINGS_SHARE * held[1] and done < len(todo):
@@ -142,37 +143,37 @@ def warm_up(batcher: Batcher, *, max_programs: int | None = None, sampled: bool 
     return info
 
 
-def call_program(batcher: Batcher, shape: ProgramShape) -> None:
-    """The call a request of this shape makes (padding rows only), through the batcher's own
+def call_program(scheduler: Scheduler, shape: ProgramShape) -> None:
+    """The call a request of this shape makes (padding rows only), through the scheduler's own
     `run_prefill` / `run_step`; the deployment plan (`dspark_jax.plan`) lowers the programs so."""
-    rows = np.full(shape.rows, batcher.num_slots, np.int32)     # padding rows only
+    rows = np.full(shape.rows, scheduler.num_slots, np.int32)     # padding rows only
     zeros = np.zeros(shape.rows, np.int32)
     temperature, top_p = (1.0 if shape.sampled else 0.0), 1.0
     if shape.kind == "prefill":
-        batcher.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
+        scheduler.run_prefill(np.zeros((shape.rows, shape.length), np.int32), zeros, rows, temperature, top_p)
         return
     drafts = None
-    if batcher.proposer is not None and batcher.engine.t:
-        drafts = np.zeros((shape.rows, batcher.engine.t if shape.width is None else shape.width), np.int32)
-    batcher.run_step(rows, zeros, zeros, 0, temperature, top_p, drafts, length=shape.width)
+    if scheduler.proposer is not None and scheduler.engine.t:
+        drafts = np.zeros((shape.rows, scheduler.engine.t if shape.width is None else shape.width), np.int32)
+    scheduler.run_step(rows, zeros, zeros, 0, temperature, top_p, drafts, length=shape.width)
 
 
-def measure_step_costs(batcher: Batcher, progress: Callable[[int, int, int], None] | None = None) -> int:
+def measure_step_costs(scheduler: Scheduler, progress: Callable[[int, int, int], None] | None = None) -> int:
     """Measure the step costs of every batch bucket whose costs are not known yet (an adaptive
-    batcher; a few steps per speculation length each, on padding rows). `progress(done, total,
+    scheduler; a few steps per speculation length each, on padding rows). `progress(done, total,
     rows)` before each bucket. Returns the buckets measured."""
-    if not batcher.adaptive or batcher.step_costs.uniform:
+    if not scheduler.adaptive or scheduler.step_costs.uniform:
         return 0
-    buckets = batch_buckets(batcher.num_slots, batcher.num_slots)
-    todo = [b for b in buckets if batcher.step_costs.get(b, batcher.lengths) is None]
+    buckets = batch_buckets(scheduler.num_slots, scheduler.num_slots)
+    todo = [b for b in buckets if scheduler.step_costs.get(b, scheduler.lengths) is None]
     start = time.perf_counter()
     for i, b in enumerate(todo):
         if progress is not None:
             progress(i, len(todo), b)
-        batcher.measure_step_costs(b)
+        scheduler.measure_step_costs(b)
     if todo:
         log.info("step costs: %d batch buckets measured in %.1f s (kept in %s)", len(todo),
-                 time.perf_counter() - start, batcher.step_costs.path or "memory")
+                 time.perf_counter() - start, scheduler.step_costs.path or "memory")
     return len(todo)
 
 

@@ -18,10 +18,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.errors import RequestError
 from dspark_jax.serving import pair_flags
 

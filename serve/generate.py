@@ -12,10 +12,8 @@ import logging
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
@@ -36,7 +34,7 @@ log = logging.getLogger("dspark_jax.serving")
 def main(argv) -> None:
     del argv
     from dspark_jax.errors import RequestError
-    from dspark_jax.generate import generate
+    from dspark_jax.decode.generate import generate
     from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import format_mtp_stats
 

@@ -9,7 +9,7 @@ with an estimate of its compile time, and counts one MoE layer's FLOPs over the 
 Prints per weight class the sharding and per-device bytes, the cache bytes and every compiled
 program's memory; the last line is `per-device peak: X GiB of C GiB (f usable)`. Exit status 0
 if the peak fits `--hbm_gib * --usable_fraction`, 1 if not. Runs on fake CPU devices (set up
-here, before JAX starts), so it needs no accelerator. See dspark_jax/plan.py.
+here, before JAX starts), so it needs no accelerator. See dspark_jax/plan/serving.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 
 from absl import app, flags, logging
 
-from dspark_jax import engine_config
-from dspark_jax import plan as plan_lib
+from dspark_jax.decode import config as engine_config
+from dspark_jax.plan import serving as plan_lib
 from dspark_jax.errors import RequestError
 
 _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config name, a config.json or a model dir.")

@@ -12,10 +12,8 @@ import logging
 
 from absl import app, flags
 
-from dspark_jax import (
-    distributed,  # also defines --coordinator_address, --num_processes, --process_id
-    engine_config,
-)
+from dspark_jax import distributed
+from dspark_jax.decode import config as engine_config
 from dspark_jax.serving import pair_flags
 
 FLAGS = flags.FLAGS
@@ -49,11 +47,11 @@ def main(argv) -> None:
     del argv
     import uvicorn
 
-    from dspark_jax import warmup
-    from dspark_jax.batcher import Batcher
-    from dspark_jax.engine import Engine
+    from dspark_jax.decode import warmup
+    from dspark_jax.decode.scheduler import Scheduler
+    from dspark_jax.decode.engine import Engine
     from dspark_jax.errors import RequestError
-    from dspark_jax.generate import eos_ids
+    from dspark_jax.decode.requests import eos_ids
     from dspark_jax.serving.app import ServerConfig, create_app
     from dspark_jax.serving.pair import describe
     from dspark_jax.serving.worker import EngineWorker
@@ -83,15 +81,15 @@ def main(argv) -> None:
     max_model_len = config.max_len_for(pair.target)
     for line in describe(pair, config, store_dtype=engine.store_dtype, pool=True):
         log.info(line)
-    batcher = Batcher(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
+    scheduler = Scheduler(engine, config.max_num_seqs, max_model_len, seed=FLAGS.seed,
                       speculative_length=config.speculative_length,
                       max_num_batched_tokens=config.max_num_batched_tokens)
     if FLAGS.warmup:
-        warmup.warm_up(batcher, max_programs=FLAGS.warmup_max_programs, sampled=True, progress=warmup.ProgressBar())
+        warmup.warm_up(scheduler, max_programs=FLAGS.warmup_max_programs, sampled=True, progress=warmup.ProgressBar())
         # the adaptive speculation length's step costs, once per host and model (then from disk)
-        warmup.measure_step_costs(batcher, progress=lambda i, n, rows: log.info(
+        warmup.measure_step_costs(scheduler, progress=lambda i, n, rows: log.info(
             "measuring step costs: batch bucket %d (%d/%d)", rows, i + 1, n))
-    worker = EngineWorker(batcher, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
+    worker = EngineWorker(scheduler, max_queue=FLAGS.max_queue_len, stats_interval=FLAGS.stats_interval)
     names = [FLAGS.served_model_name or pair.target_name]
     cfg = ServerConfig(model_names=names, max_model_len=max_model_len, num_speculative_tokens=t,
                        vocab_size=pair.target.cfg.vocab_size,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax import presets, spec_length
+from dspark_jax import presets
+from dspark_jax.decode import spec_length
 
 # Every speculation length costs the same in tests (the adaptive length is then always T): measuring
 # the step costs of each tiny engine would compile every length's program. Tests of the adaptive
@@ -31,7 +32,7 @@ def _one_compilation_cache_per_run(tmp_path_factory: pytest.TempPathFactory):
     """JAX's persistent compilation cache, shared by the run's workers: modules build the same tiny
     models, so they compile the same programs, which a later module then loads instead. Set before
     the worker's first compilation (JAX reads the setting once)."""
-    from dspark_jax import warmup
+    from dspark_jax.decode import warmup
 
     warmup.enable_compilation_cache(_run_root(tmp_path_factory) / "xla_cache")
 

@@ -92,7 +92,7 @@ def prompts(n: int, vocab: int, seed: int = 0, lo: int = 2, hi: int = 40) -> lis
 def answer_samples(target, max_new_tokens: int, n: int = 8, seed: int = 0) -> list:
     """The target's own greedy answers to `n` random prompts as training samples (what
     `train.regen` produces): prompt + answer ids, loss mask on the answer."""
-    from dspark_jax.generate import generate
+    from dspark_jax.decode.generate import generate
     from dspark_jax.train.regen import Sample
     rng = np.random.default_rng(seed)
     prompts = [[int(x) for x in rng.integers(0, 90, int(rng.integers(6, 14)))] for _ in range(n)]

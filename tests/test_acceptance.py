@@ -1,7 +1,7 @@
 """benchmarks.acceptance on the real target and the shipped draft (a few prompts, few tokens): the
 JSON's aggregate tok/fwd, per position and per prompt agree with each other; the paired comparison
 of two drafts' results (`--compare`) on rows made here; the measurement itself
-(dspark_jax/acceptance.py) on a tiny pair."""
+(dspark_jax/decode/acceptance.py) on a tiny pair."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_jax.stats import SpecStats, paired_difference, paired_mean_difference
+from dspark_jax.decode.stats import SpecStats, paired_difference, paired_mean_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,8 +129,8 @@ def test_measure_acceptance_keeps_each_prompts_statistics():
     """`measure_acceptance` (the card's, the benchmark's and the training monitor's measurement):
     every prompt's statistics are its own generate() call's at temperature 0 whatever the batch, and the
     aggregate merges them."""
-    from dspark_jax.acceptance import measure_acceptance
-    from dspark_jax.generate import generate
+    from dspark_jax.decode.acceptance import measure_acceptance
+    from dspark_jax.decode.generate import generate
     from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
     target = tiny_llama(0)

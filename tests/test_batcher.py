@@ -1,4 +1,4 @@
-"""Continuous batching (`generate.Batcher`): admitting a request prefills only its row and
+"""Continuous batching (`generate.Scheduler`): admitting a request prefills only its row and
 leaves every other slot's caches untouched; inactive rows of a step keep their state; a slot's
 new occupant starts from zero KDA state; staggered admissions, slot reuse, aborts and mixed
 sampling settings all give each request exactly what it gets alone."""
@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.batcher import PREFILL_CALL_TOKENS, Batcher, Request, batch_bucket, prefill_bucket, prefill_groups
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.generate import engine_for, eos_ids
+from dspark_jax.decode.buckets import PREFILL_CALL_TOKENS, batch_bucket, prefill_bucket, prefill_groups
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.generate import engine_for
+from dspark_jax.decode.requests import eos_ids
 from tests.float64 import assert_f32_close
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
@@ -44,8 +46,8 @@ def _eos(target) -> frozenset[int]:
 
 
 def _solo(engine, prompt, n, eos) -> list[int]:
-    """The request alone in a fresh batcher."""
-    return Batcher(engine, SLOTS, MAX_LEN).run([Request(prompt, n, eos_ids=eos)])[0].tokens
+    """The request alone in a fresh scheduler."""
+    return Scheduler(engine, SLOTS, MAX_LEN).run([Request(prompt, n, eos_ids=eos)])[0].tokens
 
 
 def _pages_of(caches, slot):
@@ -65,7 +67,7 @@ def _assert_same(a, b):
 
 def test_admission_and_inactive_rows_leave_other_slots_untouched(k3):
     target, engines = k3
-    b = Batcher(engines[T], SLOTS, MAX_LEN)
+    b = Scheduler(engines[T], SLOTS, MAX_LEN)
     ps = prompts(3, target.cfg.vocab_size, seed=21, lo=5, hi=14)
     r0 = Request(ps[0], 50)
     b.add(r0)
@@ -91,11 +93,11 @@ def test_admission_and_inactive_rows_leave_other_slots_untouched(k3):
 
 def test_new_occupant_starts_from_zero_kda_state(k3):
     """A slot that held a long sequence, reused by a new request, gives exactly the tokens of a
-    fresh batcher (a stale KDA state, conv window or draft context row would change them)."""
+    fresh scheduler (a stale KDA state, conv window or draft context row would change them)."""
     target, engines = k3
     ps = prompts(2, target.cfg.vocab_size, seed=22, lo=10, hi=14)
     fresh = _solo(engines[T], ps[1], 12, frozenset())
-    b = Batcher(engines[T], SLOTS, MAX_LEN)
+    b = Scheduler(engines[T], SLOTS, MAX_LEN)
     b.run([Request(ps[0], 30)])                    # leaves non-zero state in slot 0
     assert np.abs(np.asarray(b.caches.kda.ssm[:, 0])).max() > 1e-2
     again = b.run([Request(ps[1], 12)])
@@ -112,7 +114,7 @@ def test_staggered_admissions_equal_solo_greedy(request, pair):
     ps = prompts(7, target.cfg.vocab_size, seed=23, lo=3, hi=14)
     budgets = [9, 25, 4, 17, 30, 12, 20]
     want = [_solo(engines[0], p, n, eos) for p, n in zip(ps, budgets)]
-    b = Batcher(engines[T], SLOTS, MAX_LEN)
+    b = Scheduler(engines[T], SLOTS, MAX_LEN)
     reqs = [Request(p, n, eos_ids=eos) for p, n in zip(ps, budgets)]
     arrivals = {0: [0, 1], 2: [2], 3: [3, 4], 6: [5], 9: [6]}
     doomed = reqs[4]
@@ -141,7 +143,7 @@ def test_mixed_sampling_settings_share_steps_and_keep_greedy_rows_exact(llama):
     target, engines = llama
     ps = prompts(4, target.cfg.vocab_size, seed=24, lo=3, hi=14)
     want = [_solo(engines[0], p, 16, frozenset()) for p in ps]
-    b = Batcher(engines[T], 4, MAX_LEN, seed=3)
+    b = Scheduler(engines[T], 4, MAX_LEN, seed=3)
     reqs = [Request(p, 16, temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.8 if i == 3 else 1.0)
             for i, p in enumerate(ps)]
     b.run(reqs)
@@ -158,13 +160,13 @@ def test_mixed_sampling_settings_share_steps_and_keep_greedy_rows_exact(llama):
 
 
 def test_step_keys_are_fresh_past_a_split_and_follow_the_seed(llama):
-    """The batcher splits its PRNG keys off in chunks: across more than one chunk every program
+    """The scheduler splits its PRNG keys off in chunks: across more than one chunk every program
     call still gets a key of its own, and the stream is the seed's (the same again for the same
     seed, another for another seed)."""
     _, engines = llama
 
     def draw(seed, n):
-        b = Batcher(engines[T], 1, 64, seed=seed)
+        b = Scheduler(engines[T], 1, 64, seed=seed)
         return [tuple(int(x) for x in b._next_key()) for _ in range(n)]
 
     keys = draw(5, 150)
@@ -175,7 +177,7 @@ def test_step_keys_are_fresh_past_a_split_and_follow_the_seed(llama):
 
 def test_bad_request_rejected_at_add(llama):
     _, engines = llama
-    b = Batcher(engines[T], 2, 64)
+    b = Scheduler(engines[T], 2, 64)
     with pytest.raises(ValueError, match="max_model_len=64"):
         b.add(Request(list(range(1, 61)), 4))      # 60 + T + 1 > 64
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -215,14 +217,14 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
     sequences are one-token steps, a lone sequence verifies all T again. Every request still
     equals plain greedy decoding, and the draft's context rows written by the one-token steps
     equal those a fully speculative run writes (so speculation resumes on a complete draft cache)."""
-    from dspark_jax.spec_length import StepCosts
+    from dspark_jax.decode.spec_length import StepCosts
     target, engines = k3
     eos = _eos(target)
     dear = StepCosts.of(lambda rows, n: 1.0 if rows == 1 else 1.0 + n)
     ps = prompts(3, target.cfg.vocab_size, seed=24, lo=4, hi=12)
     budgets = [6, 14, 30]
     want = [_solo(engines[0], p, n, eos) for p, n in zip(ps, budgets)]
-    b = Batcher(engines[T], SLOTS, MAX_LEN, step_costs=dear)
+    b = Scheduler(engines[T], SLOTS, MAX_LEN, step_costs=dear)
     reqs = b.run([Request(p, n, eos_ids=eos) for p, n in zip(ps, budgets)])
     assert [r.tokens for r in reqs] == want
     stats = b.stats.to_dict()
@@ -232,7 +234,7 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
     assert reqs[0].stats.to_dict()["num_verify_steps"] == 0      # it never ran alone
 
     # through generate(), whose engine (this module's engines[T]) is shared with calls of a fixed length
-    from dspark_jax.generate import generate
+    from dspark_jax.decode.generate import generate
     assert engine_for(target, engines[T].draft, EngineConfig(num_speculative_tokens=T, speculative_length="fixed",
                                                               step_costs=dear)) is engines[T]
     fixed = generate(target, engines[T].draft, ps, max_new_tokens=10, num_speculative_tokens=T,
@@ -245,7 +247,7 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
     rows = slice(target.attention_rows, None)
     got = {}
     for name, costs in (("plain", StepCosts.of(lambda rows, n: 1.0 + n)), ("spec", StepCosts.constant())):
-        bb = Batcher(engines[T], SLOTS, MAX_LEN, step_costs=costs)
+        bb = Scheduler(engines[T], SLOTS, MAX_LEN, step_costs=costs)
         r = bb.run([Request(ps[2], 20)])[0]
         n = len(ps[2]) + len(r.tokens) - 1           # positions written (the last token is not yet in)
         pages, _ = _pages_of(bb.caches, 0)
@@ -256,7 +258,7 @@ def test_adaptive_length_follows_the_batch_keeps_output_and_draft_context(k3):
 
 
 def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
-    """A request alone in a 4-slot batcher runs batch-1 steps. With three greedy requests running
+    """A request alone in a 4-slot scheduler runs batch-1 steps. With three greedy requests running
     (slots 0..2) and a fourth whose long prompt is part-way in (slot 3), a step is one batch-4
     call of slots 0..2 and a padding row, which writes nothing: slot 3's pages and KDA states stay
     bitwise as they were, and the greedy requests equal each one decoded alone."""
@@ -274,7 +276,7 @@ def test_a_step_computes_the_running_rows_padded_to_a_bucket(k3):
 
     eng.step = spy
     try:
-        b = Batcher(eng, 4, MAX_LEN, seed=1, max_num_batched_tokens=64)
+        b = Scheduler(eng, 4, MAX_LEN, seed=1, max_num_batched_tokens=64)
         greedy = [Request(p, 12) for p in ps]
         b.add(greedy[0])
         b.step()
@@ -351,7 +353,7 @@ def test_whole_prompts_go_in_at_one_step_in_calls_by_length(llama):
 
     eng.prefill = spy
     try:
-        b = Batcher(eng, 4, MAX_LEN)
+        b = Scheduler(eng, 4, MAX_LEN)
         reqs = [Request(p, 10, eos_ids=eos) for p in ps]
         for r in reqs:
             b.add(r)

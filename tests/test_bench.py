@@ -20,7 +20,7 @@ import pytest
 
 from dspark_jax import load_draft, load_target
 from dspark_jax.data.eval_sets import load_benchmark
-from dspark_jax.generate import generate
+from dspark_jax.decode.generate import generate
 from dspark_jax.serving import card
 from tests.serve_utils import write_tiny_draft, write_tiny_target
 
@@ -142,8 +142,8 @@ def test_journal_resumes_and_extends_a_run(pair_dirs, aime_file, tmp_path):
     """A journaled run cut short (the last line half written) and rerun with a larger limit
     generates only the missing items, and its results equal one uninterrupted run's; a journal
     of other settings is refused with the differing field named."""
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import tokenizer_for
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.requests import tokenizer_for
 
     target_dir, draft_dir = pair_dirs
     target, draft = load_target(target_dir, dtype="checkpoint"), load_draft(draft_dir, dtype="checkpoint")

@@ -1,4 +1,4 @@
-"""Chunked prefill (`Batcher(max_num_batched_tokens=...)`): a prompt longer than the budget goes
+"""Chunked prefill (`Scheduler(max_num_batched_tokens=...)`): a prompt longer than the budget goes
 into its slot chunk by chunk, each chunk continuing from the KDA state and the cache rows the
 earlier chunks left; the caches it leaves and the greedy output equal a whole-prompt prefill's
 (float32, both target families, with and without the draft), and a running stream gets tokens
@@ -9,16 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.batcher import Batcher, Request
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.generate import generate
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.generate import generate
 from tests.float64 import assert_f32_close
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
 # one slot count and capacity throughout: the caches' shape is part of every compiled program
 SLOTS, MAX_LEN, T = 3, 128, 4
-BUDGET = 32                          # tokens per prefill call in the chunked batchers
+BUDGET = 32                          # tokens per prefill call in the chunked schedulers
 LONG = 100                           # prompt tokens: four chunks of at most BUDGET
 
 
@@ -45,7 +45,7 @@ def _counting_prefill(eng, calls: list):
     eng.prefill = spy
 
 
-def _slot_caches(b: Batcher, slot: int, n: int):
+def _slot_caches(b: Scheduler, slot: int, n: int):
     """The first n positions of every pool row of a slot, and its KDA states (numpy)."""
     pool = b.caches.pool
     pages = np.asarray(pool.pages)[:, np.asarray(pool.block_table)[slot]]
@@ -62,14 +62,14 @@ def test_chunked_prefill_equals_whole_prompt(family, t):
     target, engines = family
     eng = engines[t]
     prompt, other = prompts(2, target.cfg.vocab_size, seed=41, lo=LONG, hi=LONG + 1)
-    whole = Batcher(eng, SLOTS, MAX_LEN)
+    whole = Scheduler(eng, SLOTS, MAX_LEN)
     whole_req = Request(prompt, 20)
     whole.add(whole_req)
     whole._admit()
     calls = []
     _counting_prefill(eng, calls)
     try:
-        chunked = Batcher(eng, SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
+        chunked = Scheduler(eng, SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
         chunked.run([Request(other, 3)])           # leaves its state in slot 0
         calls.clear()
         req = Request(prompt, 20)
@@ -106,9 +106,9 @@ def test_running_stream_advances_at_every_step_while_a_long_prompt_goes_in(famil
     eng = engines[T]
     running, *short = prompts(3, target.cfg.vocab_size, seed=42, lo=5, hi=12)
     long_prompt = prompts(1, target.cfg.vocab_size, seed=43, lo=LONG, hi=LONG + 1)[0]
-    want = [Batcher(eng, SLOTS, MAX_LEN).run([Request(p, n)])[0].tokens
+    want = [Scheduler(eng, SLOTS, MAX_LEN).run([Request(p, n)])[0].tokens
             for p, n in ((running, 60), (long_prompt, 12), (short[0], 10), (short[1], 10))]
-    b = Batcher(eng, SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
+    b = Scheduler(eng, SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
     stream = Request(running, 60)
     b.add(stream)
     b.step()
@@ -140,7 +140,7 @@ def test_running_stream_advances_at_every_step_while_a_long_prompt_goes_in(famil
 
 def test_abort_part_way_through_a_prompt_frees_its_slot(family):
     target, engines = family
-    b = Batcher(engines[T], SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
+    b = Scheduler(engines[T], SLOTS, MAX_LEN, max_num_batched_tokens=BUDGET)
     long_prompt, short = prompts(2, target.cfg.vocab_size, seed=44, lo=LONG, hi=LONG + 1)
     doomed = Request(long_prompt, 5)
     b.add(doomed)
@@ -149,7 +149,7 @@ def test_abort_part_way_through_a_prompt_frees_its_slot(family):
     b.abort(doomed)
     assert doomed.finish_reason == "abort" and b.num_running == 0 and not b.filling
     got = b.run([Request(short, 6)])[0].tokens            # slot 0 again, from zero KDA state
-    assert got == Batcher(engines[T], SLOTS, MAX_LEN).run([Request(short, 6)])[0].tokens
+    assert got == Scheduler(engines[T], SLOTS, MAX_LEN).run([Request(short, 6)])[0].tokens
 
 
 def test_generate_passes_the_budget():

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dspark_jax import generate, load_draft, load_target, numerics
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 
 # `stablehlo.dot_general %a, %b, ... : (tensor<2x8x576xbf16>, tensor<576x49152xbf16>) -> tensor<...xf32>`
 _STABLEHLO_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) "
@@ -79,7 +79,7 @@ def shipped_generation(demo_pair):
     CPUs), speculative (T = 7) and plain, each on an engine whose calls are spied on: every
     distinct program a run calls is lowered with that call's arguments and its mixed dots read.
     jit then runs what that `lower(...).compile()` built, so reading them costs no compilation.
-    The batcher never calls the draft's block pass alone (the step runs it inside): that
+    The scheduler never calls the draft's block pass alone (the step runs it inside): that
     program is lowered as well. Returns {T: (result, {program: mixed dots})}."""
     target, draft = demo_pair
     prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -153,7 +153,7 @@ def test_bf16_target_programs_have_no_mixed_dot():
     mixed dot reaches the compiled program's top level (the thunk runtime)."""
     from flax import nnx
 
-    from dspark_jax.engine import cast_floating
+    from dspark_jax.decode.engine import cast_floating
     from tests.gen_utils import tiny_draft, tiny_llama
 
     target, draft = tiny_llama(), None
@@ -207,9 +207,9 @@ def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_n
     cache (which holds the same bf16 values exactly), speculative and plain."""
     from flax import nnx
 
-    from dspark_jax.batcher import Batcher, Request
+    from dspark_jax.decode.scheduler import Scheduler, Request
     from dspark_jax.cache import as_values
-    from dspark_jax.engine import cast_floating
+    from dspark_jax.decode.engine import cast_floating
     from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
     target = tiny_llama() if family == "llama" else tiny_k3()
@@ -228,7 +228,7 @@ def test_bf16_engine_on_cpu_keeps_its_cache_as_bf16_bit_patterns_with_the_same_n
         for kv in ("auto", "fp32"):
             engine = Engine(target, d, EngineConfig(num_speculative_tokens=t, kv_cache_dtype=kv))
             assert engine.store_dtype == (jnp.float32 if kv == "fp32" else jnp.uint16)
-            b = Batcher(engine, len(ps), 128)
+            b = Scheduler(engine, len(ps), 128)
             reqs = b.run([Request(p, 10) for p in ps])
             runs[kv] = ([r.tokens for r in reqs], np.asarray(as_values(b.caches.pool.pages).astype(jnp.float32)))
         assert np.count_nonzero(runs["auto"][1]) > 0
@@ -259,7 +259,7 @@ def test_cpu_cache_writes_convert_no_whole_pool(kv_cache_dtype):
     arithmetic, so that control holds on any CPU)."""
     from flax import nnx
 
-    from dspark_jax.engine import cast_floating
+    from dspark_jax.decode.engine import cast_floating
     from tests.gen_utils import tiny_draft, tiny_llama
 
     target = tiny_llama()
@@ -291,7 +291,7 @@ def test_draft_pass_converts_no_whole_markov_table(monkeypatch):
     from flax import nnx
 
     from dspark_jax import sampling
-    from dspark_jax.engine import cast_floating
+    from dspark_jax.decode.engine import cast_floating
     from tests.gen_utils import tiny_draft, tiny_llama
 
     def w1_copies(w1_dtype):

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import steps
+from dspark_jax.decode import steps
 from dspark_jax.cache import PagedPool
-from dspark_jax.engine import cast_floating, embed_and_head
+from dspark_jax.decode.engine import cast_floating, embed_and_head
 from dspark_jax.train import loss as loss_lib
 from tests.float64 import assert_close, x64
 from tests.gen_utils import tiny_draft, tiny_llama
@@ -87,8 +87,8 @@ def test_a_narrower_width_is_the_step_of_a_draft_run_at_that_t():
     """A step verifying `width` = w < T drafts runs the draft's block at w rows: it emits, accepts
     and writes what a step of an engine at T = w does, greedy and sampled (same key), and its
     block rows are not the T-row block's (the block's attention is bidirectional)."""
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.config import EngineConfig
 
     target = tiny_llama(seed=3)
     draft = tiny_draft(target, seed=4, layer_ids=(0, 2))

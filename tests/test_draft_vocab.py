@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark_jax import steps
+from dspark_jax.decode import steps
 from dspark_jax.checkpoint.draft_io import convert_draft, load_draft, save_torch_draft
 from dspark_jax.checkpoint.draft_layout import draft_inventory
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import ConfigError, DraftConfig
-from dspark_jax.generate import generate
+from dspark_jax.decode.generate import generate
 from dspark_jax.train import vocab as vocab_lib
 from dspark_jax.train.loss import token_terms
 from tests.draft_utils import (K_TINY, KEPT_TINY, METADATA, TINY, draft_inputs, make_reduced_torch_draft,
@@ -201,8 +201,8 @@ def test_lossless_greedy_with_reduced_vocab(family):
     # check still covers the rejection path)
     if family == "llama":
         assert spec.stats["total_accepted_tokens"] > 0
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine_config import EngineConfig
+    from dspark_jax.decode.engine import Engine
+    from dspark_jax.decode.config import EngineConfig
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=t))
     caches = eng.new_caches(2, 64)
     toks = jnp.asarray([p[:4] + [0] * (8 - 4) for p in ps[:2]], jnp.int32)
@@ -210,7 +210,7 @@ def test_lossless_greedy_with_reduced_vocab(family):
                                 jax.random.PRNGKey(0))
     lens = jnp.asarray([4, 4], jnp.int32)
     # the engine gathers the kept lm_head rows once; gathering them inside the program drafts the same
-    from dspark_jax.engine import embed_and_head
+    from dspark_jax.decode.engine import embed_and_head
     np.testing.assert_array_equal(np.asarray(eng.draft_head), np.asarray(embed_and_head(target)[1])[sorted(kept)])
     inside, *_ = eng.propose_jit(eng.t_state, eng.d_state, first, lens, jax.tree.map(jnp.copy, caches),
                                  jax.random.PRNGKey(1))
@@ -336,7 +336,7 @@ def test_distill_outputs_with_a_reduced_draft_uses_kept_rows_only():
     gradient is nonzero, and the draft's top-1 comes back as kept target ids."""
     from flax import nnx
 
-    from dspark_jax.engine import embed_and_head
+    from dspark_jax.decode.engine import embed_and_head
     from dspark_jax.train.loss import LossConfig, distill_outputs
     target = tiny_llama(0)
     kept = _kept(96, 48, 3)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import steps
-from dspark_jax.batcher import Batcher, Request
+from dspark_jax.decode import steps
+from dspark_jax.decode.scheduler import Scheduler, Request
 from dspark_jax.cache import as_values
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import engine_for, generate
+from dspark_jax.decode.generate import engine_for, generate
 from tests.gen_utils import chi2_pvalue, prompts, same_tokens, tiny_draft, tiny_k3, tiny_llama
 
 
@@ -76,9 +76,9 @@ def _cached_rows(target, ps, kv_cache_dtype: str) -> np.ndarray:
     """The paged pool's rows, as float32 values, after plain greedy decoding of `ps` (on the
     engine, and so the compiled programs, generate() used for the same setting)."""
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0, kv_cache_dtype=kv_cache_dtype))
-    batcher = Batcher(engine, len(ps), 128)
-    batcher.run([Request(p, 16) for p in ps])
-    return np.asarray(as_values(batcher.caches.pool.pages).astype(jnp.float32))
+    scheduler = Scheduler(engine, len(ps), 128)
+    scheduler.run([Request(p, 16) for p in ps])
+    return np.asarray(as_values(scheduler.caches.pool.pages).astype(jnp.float32))
 
 
 def _oracle(reference):
@@ -170,9 +170,9 @@ def _plain_and_verify_engines(target):
 
 def _run(engine, prompts, max_new_tokens, max_len, proposer=None):
     """Every prompt in one batch; the outputs and the final caches."""
-    batcher = Batcher(engine, len(prompts), max_len, proposer=proposer)
-    reqs = batcher.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(prompts)])
-    return [r.tokens for r in reqs], batcher.caches
+    scheduler = Scheduler(engine, len(prompts), max_len, proposer=proposer)
+    reqs = scheduler.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(prompts)])
+    return [r.tokens for r in reqs], scheduler.caches
 
 
 def _assert_same_states(cp, cs):
@@ -323,17 +323,17 @@ def test_speculative_sampling_matches_target_distribution():
 def test_max_num_seqs_decodes_a_few_at_a_time_with_the_same_tokens(llama_pair, monkeypatch):
     """`max_num_seqs`: a cache of that many slots, the prompts after the first ones taking a slot
     as a sequence finishes (speculative rows finish apart: their slots refill one by one)."""
-    gen = importlib.import_module("dspark_jax.generate")      # the module (the package exports the function)
+    gen = importlib.import_module("dspark_jax.decode.generate")      # the module (the package exports the function)
     target, draft = llama_pair
     ps = prompts(5, target.cfg.vocab_size, seed=11)
     slots = []
 
-    class Recorded(gen.Batcher):
+    class Recorded(gen.Scheduler):
         def __init__(self, engine, max_num_seqs, *a, **kw):
             slots.append(max_num_seqs)
             super().__init__(engine, max_num_seqs, *a, **kw)
 
-    monkeypatch.setattr(gen, "Batcher", Recorded)
+    monkeypatch.setattr(gen, "Scheduler", Recorded)
     whole = generate(target, None, ps, max_new_tokens=20)
     spec = generate(target, draft, ps, max_new_tokens=20, max_num_seqs=2)
     plain = generate(target, None, ps, max_new_tokens=20, max_num_seqs=3)
@@ -369,7 +369,7 @@ def test_max_model_len_stops_cleanly(llama_pair):
 
 
 # ------------------------------------------------------------------------------------------------
-# the speculation length chosen per step (dspark_jax/spec_length.py, docs/profile.md)
+# the speculation length chosen per step (dspark_jax/decode/spec_length.py, docs/profile.md)
 
 
 def test_accept_sampling_with_a_limit_emits_the_targets_marginals():
@@ -401,7 +401,7 @@ def test_adaptive_length_varies_with_the_batch_and_stays_lossless(request, famil
     """A cost model where a wide verify is dear at 4 rows and free at 1 (a compute-bound CPU):
     alone a sequence verifies all T drafts, in a batch of 4 fewer (down to one-token steps), and
     every output equals plain greedy decoding."""
-    from dspark_jax.spec_length import StepCosts
+    from dspark_jax.decode.spec_length import StepCosts
     target, draft = request.getfixturevalue(f"{family}_pair")
     costs = StepCosts.of(lambda rows, n: 1.0 + (0.0 if rows == 1 else 0.5 * n))
     ps = prompts(4, target.cfg.vocab_size, seed=21, hi=16)
@@ -428,7 +428,7 @@ def test_speculative_sampling_with_a_shorter_length_matches_target():
     """As the end-to-end sampling test, with every step verifying one of the T = 3 drafts (a cost
     model where longer verifies are dear): the draft block's logits cut to the verified drafts
     keep rejection sampling exact."""
-    from dspark_jax.spec_length import StepCosts
+    from dspark_jax.decode.spec_length import StepCosts
     target = tiny_llama(3, vocab=12)
     draft = tiny_draft(target, 4)
     prompt = [1, 5, 7, 2]
@@ -451,7 +451,7 @@ def test_engine_cache_keeps_the_last_targets_and_lets_older_ones_go(monkeypatch)
     import importlib
     import weakref
 
-    generate_lib = importlib.import_module("dspark_jax.generate")
+    generate_lib = importlib.import_module("dspark_jax.decode.generate")
     monkeypatch.setattr(generate_lib, "MAX_CACHED_TARGETS", 1)
     monkeypatch.setattr(generate_lib, "_ENGINES", type(generate_lib._ENGINES)())
     first, second = tiny_llama(0), tiny_llama(1)

@@ -351,7 +351,7 @@ def test_load_tokenizer_needs_tokenizer_files(tmp_path: Path) -> None:
 def test_tokenizer_for_loads_once_per_target_and_directory(smollm2_dir: Path, tmp_path: Path) -> None:
     """generate() asks for the target's tokenizer on every call: it is loaded once per target
     (a reload cost ~130 ms a call), and again when the target's directory changes."""
-    from dspark_jax.generate import tokenizer_for
+    from dspark_jax.decode.requests import tokenizer_for
     from dspark_jax.sources import register_source
 
     class Model:       # stands for a loaded target: only its identity and directory matter here

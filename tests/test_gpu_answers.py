@@ -5,7 +5,7 @@ that finds everything answered.
 Most of a call's time is compiling the target's programs in each subprocess: the calls share one
 persistent compilation cache (a later call loads what an earlier one compiled; the answers are
 the same either way), and the pools fit one batch (one batch bucket compiled, not one per size
-the running batch shrinks to; tests/test_batcher.py covers continuous batching)."""
+the running batch shrinks to; tests/test_scheduler.py covers continuous batching)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from dspark_jax.generate import generate
+from dspark_jax.decode.generate import generate
 from dspark_jax.kernels.dispatch import KernelCall, record_paths, use_kernels
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 

@@ -127,7 +127,7 @@ def test_paged_steps_match_cacheless(untied_dir):
     """Through the paged pool (page size 4, so rows cross pages): prefill of ragged rows, then
     token-by-token decode, then a 3-token verify step: every real token's logits/aux equal the
     cacheless forward."""
-    from dspark_jax import steps
+    from dspark_jax.decode import steps
     from dspark_jax.cache import PagedPool, TargetCaches
 
     model = load_llama(untied_dir)

@@ -49,7 +49,7 @@ def test_clean_query(text, reason, kept):
 
 
 class _FakeBatcher:
-    """Stands in for the decoding loop: request i of a batcher seeded s 'writes' a question made
+    """Stands in for the decoding loop: request i of a scheduler seeded s 'writes' a question made
     of two hashes of (s, i); every third one runs to the token limit. Records the seeds it was built with."""
 
     seeds: ClassVar[list[int]] = []
@@ -97,12 +97,12 @@ class _FakeBatcher:
 def fake_decoding(monkeypatch, tokenizer):
     import importlib
 
-    import dspark_jax.batcher
+    import dspark_jax.decode.scheduler
 
     cls = type("Fake", (_FakeBatcher,), {"seeds": [], "never_stops": False, "tok": tokenizer})
-    monkeypatch.setattr(dspark_jax.batcher, "Batcher", cls)
+    monkeypatch.setattr(dspark_jax.decode.scheduler, "Scheduler", cls)
     # the module, not the package's re-exported `generate` function of the same name
-    monkeypatch.setattr(importlib.import_module("dspark_jax.generate"), "engine_for", lambda *a, **k: None)
+    monkeypatch.setattr(importlib.import_module("dspark_jax.decode.generate"), "engine_for", lambda *a, **k: None)
     return cls
 
 

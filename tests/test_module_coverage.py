@@ -34,9 +34,9 @@ UNTESTED_BY_NAME = {
     "data/prompts.py": "the data modules share tests/test_data.py",
     "data/registry.py": "the data modules share tests/test_data.py",
     "distributed.py": "multi-process runs: tests/test_multihost.py",
-    "engine.py": "the engine is tested through its loop: tests/test_generate.py, tests/test_batcher.py, "
+    "engine.py": "the engine is tested through its loop: tests/test_generate.py, tests/test_scheduler.py, "
                  "tests/test_chunked_prefill.py, tests/test_serving_layout.py",
-    "engine_config.py": "validated by the programs and generate(): tests/test_batcher.py, tests/test_server.py, "
+    "engine_config.py": "validated by the programs and generate(): tests/test_scheduler.py, tests/test_server.py, "
                         "tests/test_chunked_prefill.py",
     "hostinfo.py": "the CPU description the programs log: tests/test_api.py",
     "kernels/block_sparse.py": "every kernel against its reference: tests/test_kernels.py",

@@ -1,6 +1,6 @@
 """The serving plan (`serve.plan`, `dspark_jax.plan`): full-size K3 sharding, byte accounting and
 MoE FLOPs without allocating; the plan's programs are the server's (the engine's jitted programs
-as the batcher calls them, at the largest shapes of the server's warm-up list) and their
+as the scheduler calls them, at the largest shapes of the server's warm-up list) and their
 AOT-compiled memory on 8 fake devices; the CLI's last line and exit status."""
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax import params as params_lib
-from dspark_jax import plan as plan_lib
-from dspark_jax import plan_programs, sharding, warmup
-from dspark_jax.batcher import Batcher
+from dspark_jax.plan import serving as plan_lib
+from dspark_jax.plan import server_programs as plan_programs
+from dspark_jax import sharding
+from dspark_jax.decode import warmup
+from dspark_jax.decode.scheduler import Scheduler
 from dspark_jax.config import DraftConfig, KimiConfig
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
-from dspark_jax.spec_length import StepCosts
+from dspark_jax.decode.spec_length import StepCosts
 from tests.kimi_configs import tiny_k3_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,27 +100,27 @@ def _abstract_pair(cfg: KimiConfig, dcfg: DraftConfig):
 
 
 def test_plan_programs_are_the_servers():
-    """The plan's programs are the engine's jitted ones, called as the server's batcher calls them:
+    """The plan's programs are the engine's jitted ones, called as the server's scheduler calls them:
     the prefill of a full chunk budget, the one-token step (width 0) and the T-draft verify at the
     largest batch bucket, none of them bound to a length (the whole block table passed); its warm-up
-    list is the one a server's Batcher over real weights has for the same flags."""
+    list is the one a server's Scheduler over real weights has for the same flags."""
     cfg_d, draft_d = _tiny_configs()
     cfg, dcfg = KimiConfig.from_dict(cfg_d), DraftConfig.from_dict(draft_d)
     mesh = sharding.make_mesh(tensor=8)
-    batcher = plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, mesh)
-    eng = batcher.engine
-    shapes = warmup.program_shapes(batcher, sampled=True)
+    scheduler = plan_programs.serving_scheduler(*_abstract_pair(cfg, dcfg), TINY_ENGINE, mesh)
+    eng = scheduler.engine
+    shapes = warmup.program_shapes(scheduler, sampled=True)
     largest = plan_programs.largest_programs(shapes, eng.t)
     assert list(largest) == ["prefill", "step", "verify"]
     # 256 positions, T = 3, a 64-token budget: rows x chunk bucket of 64 tokens
-    pre = plan_programs.program_call(batcher, largest["prefill"])
+    pre = plan_programs.program_call(scheduler, largest["prefill"])
     assert pre.program is eng.prefill_jit and "span" not in pre.kw
     tokens, lens, slots, caches = pre.call_args[2:6]
     assert tokens.size == 64 and not any(pre.kw["starts_P"])
     assert caches is eng.abstract_caches and set(slots) == {2}             # padding rows
     assert caches.pool.block_table.shape == (2, 256 // TINY_ENGINE.page_size)
     for kind, width in (("step", 0), ("verify", 3)):
-        call = plan_programs.program_call(batcher, largest[kind])
+        call = plan_programs.program_call(scheduler, largest[kind])
         assert call.program is eng.step_jit and "span" not in call.kw and call.kw["width"] is None
         x0, drafts = call.call_args[2:4]
         assert x0.shape == (2,) and list(call.kw["rows_B"]) == [2, 2]     # the largest batch bucket
@@ -126,8 +128,8 @@ def test_plan_programs_are_the_servers():
         assert (drafts.shape == (2, 0)) if width == 0 else drafts is None
     lowered = pre.lower()
     assert lowered.args_info[0][2].shape == tokens.shape
-    # the same flags on a server's Batcher over real (tiny) weights: the same warm-up list
-    real = Batcher(Engine(KimiLinearModel(cfg, rngs=nnx.Rngs(0)), K3DSparkModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)),
+    # the same flags on a server's Scheduler over real (tiny) weights: the same warm-up list
+    real = Scheduler(Engine(KimiLinearModel(cfg, rngs=nnx.Rngs(0)), K3DSparkModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)),
                           TINY_ENGINE),
                    TINY_ENGINE.max_num_seqs, TINY_ENGINE.max_model_len, step_costs=StepCosts(),
                    speculative_length=TINY_ENGINE.speculative_length,
@@ -160,7 +162,7 @@ def test_tiny_plan_compiles_and_accounts_memory():
     assert plan.peak_bytes == max(p.peak_bytes(plan.persistent_bytes) for p in plan.programs)
     n_shapes = sum(plan.warmup_programs.values())
     assert n_shapes == len(warmup.program_shapes(
-        plan_programs.serving_batcher(*_abstract_pair(cfg, dcfg), TINY_ENGINE, sharding.make_mesh(tensor=8)),
+        plan_programs.serving_scheduler(*_abstract_pair(cfg, dcfg), TINY_ENGINE, sharding.make_mesh(tensor=8)),
         sampled=True))
     lines = plan_lib.format_plan(plan, "tiny")
     assert LAST_LINE.match(lines[-1]) and plan.fits

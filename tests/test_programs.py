@@ -1,4 +1,4 @@
-"""The compiled programs an engine keeps (`dspark_jax.programs`): one jit per program shape, the
+"""The compiled programs an engine keeps (`dspark_jax.decode.programs`): one jit per program shape, the
 least recently used dropped when the process nears its memory-mapping limit; dropping one releases
 its mappings, and a dropped program called again compiles again and computes the same."""
 
@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.batcher import Batcher, Request
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.programs import CompiledPrograms, memory_mappings
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.programs import CompiledPrograms, memory_mappings
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -74,7 +74,7 @@ def test_dropping_a_program_releases_its_memory_mappings():
 
 
 def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_same_output():
-    """A batcher whose process is 'near the limit' past four programs: programs are dropped
+    """A scheduler whose process is 'near the limit' past four programs: programs are dropped
     while requests run (their step tags leave `programs_called`), dropped ones come back when
     called again, and the output equals a run where nothing is dropped."""
     target = tiny_llama(0)
@@ -85,7 +85,7 @@ def test_an_engine_near_the_limit_drops_programs_and_recompiles_them_with_the_sa
         if limit_after is not None:
             eng.programs._mappings = FakeMappings(eng.programs, base=0, per_program=100 // limit_after,
                                                   limit=100)
-        b = Batcher(eng, 4, 96, speculative_length="fixed")
+        b = Scheduler(eng, 4, 96, speculative_length="fixed")
         reqs = [Request(p, max_new_tokens=8) for p in prompts(3, 96, seed=0, lo=5, hi=60)]
         for r in reqs[:2]:
             b.add(r)

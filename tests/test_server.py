@@ -27,10 +27,10 @@ import openai
 import pytest
 
 from dspark_jax import generate, load_draft, load_target
-from dspark_jax.batcher import Batcher
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.generate import eos_ids, tokenizer_for
+from dspark_jax.decode.scheduler import Scheduler
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.requests import eos_ids, tokenizer_for
 from dspark_jax.serving import app as app_module
 from dspark_jax.serving.app import ServerConfig, TextStream, create_app
 from dspark_jax.serving.pair import load_pair
@@ -310,7 +310,7 @@ def test_queue_full_answers_503(models):
     second request finds the queue full."""
     target, draft = models
     tok = tokenizer_for(target)
-    worker = EngineWorker(Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
+    worker = EngineWorker(Scheduler(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
     cfg = ServerConfig(["tiny"], 256, T, target.cfg.vocab_size, frozenset(eos_ids(target, tok)))
     app = create_app(worker, tok, cfg)
 
@@ -331,7 +331,7 @@ def _in_process_app(models, **cfg_kw):
     """The app over a worker that is never started (nothing here reaches the engine)."""
     target, draft = models
     tok = tokenizer_for(target)
-    worker = EngineWorker(Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
+    worker = EngineWorker(Scheduler(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 2, 256), max_queue=1)
     return create_app(worker, tok, ServerConfig(["tiny"], 256, T, target.cfg.vocab_size,
                                                 frozenset(eos_ids(target, tok)), **cfg_kw))
 

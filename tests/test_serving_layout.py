@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.batcher import Batcher, Request
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 
@@ -23,8 +23,8 @@ def pair():
 
 
 def _run(engine, ps, max_new_tokens=16, max_len=96):
-    batcher = Batcher(engine, len(ps), max_len)
-    reqs = batcher.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(ps)])
+    scheduler = Scheduler(engine, len(ps), max_len)
+    reqs = scheduler.run([Request(list(p), max_new_tokens, index=i) for i, p in enumerate(ps)])
     return [r.tokens for r in reqs]
 
 

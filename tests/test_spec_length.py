@@ -1,7 +1,7 @@
-"""The speculation length per step (`dspark_jax.spec_length`): the candidate lengths, the pooled
+"""The speculation length per step (`dspark_jax.decode.spec_length`): the candidate lengths, the pooled
 acceptance estimate, the choice against a brute-force optimum, and the step-cost tables measured
 once and kept on disk (the losslessness of adaptive generation: tests/test_generate.py,
-tests/test_batcher.py)."""
+tests/test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax import warmup
-from dspark_jax.batcher import Batcher, Request
+from dspark_jax.decode import warmup
+from dspark_jax.decode.scheduler import Scheduler, Request
 from dspark_jax.bench.steps_timing import CompileClock, run_every_length, run_every_prefill
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
-from dspark_jax.spec_length import (ENV_COSTS, GAIN_MARGIN, AcceptanceEstimate, StepCosts, StepTimes,
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.spec_length import (ENV_COSTS, GAIN_MARGIN, AcceptanceEstimate, StepCosts, StepTimes,
                                     candidate_lengths, choose_length, costs_for, source_digest)
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
@@ -171,7 +171,7 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     draft = tiny_draft(target, 1)
     t = 3
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=t))
-    b = Batcher(eng, 1, 128)
+    b = Scheduler(eng, 1, 128)
     assert warmup.measure_step_costs(b) == 1
     assert not np.asarray(b.caches.pool.pages).any()
     files = list(tmp_path.glob("*.json"))
@@ -184,10 +184,10 @@ def test_step_costs_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     measured = body["seconds_by_rows_and_length"]["1"]
     assert set(measured) == {"0", "1", "3"} and all(s > 0 for s in measured.values())
     # a fresh engine loads the table: nothing left to measure, and generation uses it
-    again = Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=t)), 1, 128)
+    again = Scheduler(Engine(target, draft, EngineConfig(num_speculative_tokens=t)), 1, 128)
     assert again.step_costs.get(1, again.lengths) == {int(k): v for k, v in measured.items()}
     assert warmup.measure_step_costs(again) == 0
-    ref = Batcher(Engine(target, None, EngineConfig(num_speculative_tokens=0)), 1, 128)
+    ref = Scheduler(Engine(target, None, EngineConfig(num_speculative_tokens=0)), 1, 128)
     p = prompts(1, target.cfg.vocab_size, seed=3)[0]
     assert again.run([Request(p, 10)])[0].tokens == ref.run([Request(p, 10)])[0].tokens
     # the steps it ran are timed, by batch bucket, length bucket and speculation length, to correct the table
@@ -213,7 +213,7 @@ def test_untimed_pass_covers_every_batch_bucket_a_tail_can_reach(tmp_path, monke
     monkeypatch.setenv(ENV_COSTS, str(tmp_path))
     target = tiny_llama(0)
     eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=1))
-    b = Batcher(eng, 4, 64)
+    b = Scheduler(eng, 4, 64)
     b.step_costs.put(4, {0: 1.0, 1: 1.5})                    # only the 4-row bucket known and called
     pad, zeros = np.full(4, 4, np.int32), np.zeros(4, np.int32)
     b.run_step(pad, zeros, zeros, 0, 0.0, 1.0, length=1)
@@ -230,7 +230,7 @@ def test_untimed_pass_compiles_the_prefills_continuous_batching_can_admit():
     given, so a second pass (admissions that differ) compiles nothing."""
     target = tiny_llama(0)
     eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=1))
-    b = Batcher(eng, 4, 64)
+    b = Scheduler(eng, 4, 64)
     b.run_step(np.full(4, 4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), 0, 0.0, 1.0, length=1)
     clock = CompileClock()
     assert run_every_prefill(eng, [16, 32]) == 6                  # rows 1, 2, 4 x two prompt buckets

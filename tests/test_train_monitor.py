@@ -17,7 +17,7 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.safetensors_io import save_arrays
 from dspark_jax.config import DraftConfig
-from dspark_jax.generate import generate
+from dspark_jax.decode.generate import generate
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as L
 from dspark_jax.train import monitor

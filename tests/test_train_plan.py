@@ -1,4 +1,4 @@
-"""The distillation plan (dspark_jax/train/train_plan.py): the trainer's own step compiles for
+"""The distillation plan (dspark_jax/plan/training.py): the trainer's own step compiles for
 abstract tiny models on a (data 2 x tensor 4) mesh, online and offline, and reports memory, FLOPs
 and the shard bytes per token; at Kimi-K3 widths a shard row is (5 + 1) x 7,168 values, in bf16 or
 in float8 with one float32 scale per row."""

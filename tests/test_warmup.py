@@ -1,4 +1,4 @@
-"""Warm-up (`dspark_jax.warmup`): it compiles every program shape a batcher can call, writes
+"""Warm-up (`dspark_jax.decode.warmup`): it compiles every program shape a scheduler can call, writes
 nothing into the caches, and afterwards requests compile nothing; the persistent compilation
 cache directory follows the flag, then the environment, then the default."""
 
@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax import warmup
-from dspark_jax.batcher import Batcher, Request
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode import warmup
+from dspark_jax.decode.scheduler import Scheduler, Request
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 from tests.gen_utils import prompts, tiny_draft, tiny_llama
 
 T = 4
@@ -55,12 +55,12 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
     too (the fixed case), requests at settings never seen before share the steps and compile
     nothing either. Programs over at most `RUN_TOKENS` positions also ran once (an executable
     enters its jit's call cache when called), the larger ones were only compiled."""
-    from dspark_jax.spec_length import StepCosts
+    from dspark_jax.decode.spec_length import StepCosts
     target, draft = pair
     eng = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
     costs = StepCosts.of(_dear_at_two_rows)
     kw = dict(speculative_length=speculative_length, step_costs=costs, max_num_batched_tokens=budget)
-    b = Batcher(eng, 2, 128, **kw)
+    b = Scheduler(eng, 2, 128, **kw)
     sampled = speculative_length == "fixed"
     widths = {s.width for s in warmup.program_shapes(b) if s.kind == "step"}
     assert widths == ({None} if speculative_length == "fixed" else {0, 1, 3, None})
@@ -89,7 +89,7 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
         # executable the warm-up built once a warm-up has built a few dozen, and then reuses the
         # executable
         assert served.count == served.traces
-    fresh = Batcher(eng, 2, 128, **kw)
+    fresh = Scheduler(eng, 2, 128, **kw)
     assert short[0].tokens == fresh.run([Request(ps[0], 6)])[0].tokens
     assert all(len(r.tokens) == 30 for r in many)
 
@@ -97,7 +97,7 @@ def test_after_warm_up_requests_compile_nothing(pair, speculative_length, budget
 def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     target, draft = pair
     eng = Engine(target, None, EngineConfig(num_speculative_tokens=0))
-    b = Batcher(eng, 8, 1024)
+    b = Scheduler(eng, 8, 1024)
     shapes = warmup.program_shapes(b, sampled=True)
     # batch buckets 1, 2, 4, 8; prompt buckets 16..1024; steps of any length: one program per batch
     # bucket (greedy and sampling)
@@ -122,7 +122,7 @@ def test_program_shapes_cheapest_first_and_capped(pair, monkeypatch):
     assert info == {**info, "programs": 3, "skipped": greedy - 3}
     # a 256-token budget: first chunks up to 256 tokens with rows x bucket <= 256 (a longer prompt's
     # later chunks run the one-row 256 program)
-    chunked = warmup.program_shapes(Batcher(eng, 8, 1024, max_num_batched_tokens=256))
+    chunked = warmup.program_shapes(Scheduler(eng, 8, 1024, max_num_batched_tokens=256))
     prefills = [s for s in chunked if s.kind == "prefill"]
     assert max(s.rows * s.length for s in prefills) == 256
     assert len(prefills) == 5 + 4 + 3 + 2          # chunk buckets 16..256 by rows 1, 2, 4, 8

@@ -1,5 +1,5 @@
 """Will one distillation step with the Kimi teacher fit the training mesh, and what does it cost?
-Abstract build + AOT compile of the trainer's own step, no weights (dspark_jax/train/train_plan.py).
+Abstract build + AOT compile of the trainer's own step, no weights (dspark_jax/plan/training.py).
 
     python -m train.plan --config kimi-k3 --tp 8 --seq_len 4096 --num_anchors 512 --teacher online
     python -m train.plan --config kimi-k3 --tp 8 --seq_len 4096 --num_anchors 512 --teacher offline
@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags, logging
 
-from dspark_jax import plan as plan_lib
+from dspark_jax.plan import serving as plan_lib
 from dspark_jax.train import train_mesh
 
 _CONFIG = flags.DEFINE_string("config", "kimi-k3", "Target: a packaged config name, a config.json or a model dir.")

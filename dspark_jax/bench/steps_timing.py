@@ -44,13 +44,13 @@ class CompileClock:
 
 class StepClock:
     """Wall seconds spent in `Engine.step` calls from `reset()` on (the dispatch and the wait for
-    the step's tokens, which the batcher reads at once anyway) and their count; the rest of a
+    the step's tokens, which the scheduler reads at once anyway) and their count; the rest of a
     `generate()` call is prefill, the host loop and set-up. Wraps `Engine.step` for the process."""
 
     def __init__(self):
         import jax
 
-        from dspark_jax.engine import Engine
+        from dspark_jax.decode.engine import Engine
         self.seconds, self.steps = 0.0, 0
         inner = Engine.step
 
@@ -69,30 +69,31 @@ class StepClock:
 
 def make_engine(target, draft, t: int, page_size: int = 16):
     """The greedy Engine generate() uses for this pair and T (shared, so its compiles are too)."""
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import engine_for
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.generate import engine_for
 
     return engine_for(target, draft, EngineConfig(num_speculative_tokens=t, page_size=page_size))
 
 
 def run_every_length(eng) -> int:
-    """For every cache geometry `eng`'s batchers have called, run each speculation length an
-    adaptive batcher can choose once, on padding rows (nothing written), at every batch bucket up
+    """For every cache geometry `eng`'s schedulers have called, run each speculation length an
+    adaptive scheduler can choose once, on padding rows (nothing written), at every batch bucket up
     to the widest one called (greedy, and sampling where it was called), so a later pass over the
     same work compiles nothing whichever lengths it picks and whichever bucket its last rows end
     in (a benchmark's untimed pass: which rows finish together, and so the buckets a batch's tail
     steps use, can change from one pass to the next). A bucket whose step costs are not known yet
-    is measured first (`Batcher.choose_length`). Returns the programs run."""
+    is measured first (`Scheduler.choose_length`). Returns the programs run."""
     import numpy as np
 
-    from dspark_jax.batcher import Batcher, batch_buckets
+    from dspark_jax.decode.scheduler import Scheduler
+    from dspark_jax.decode.buckets import batch_buckets
 
     shapes: dict[tuple, set] = {}
     for p in list(eng.programs_called):
         shapes.setdefault((p.slots, p.max_len), set()).add((p.rows, p.sampled))
     before = len(eng.programs_called)
     for (slots, max_len), met in shapes.items():
-        b = Batcher(eng, slots, max_len)
+        b = Scheduler(eng, slots, max_len)
         buckets = batch_buckets(max(r for r, _ in met), slots)
         for sampled in sorted({s for _, s in met}):
             for rows in buckets:
@@ -105,16 +106,17 @@ def run_every_length(eng) -> int:
 
 
 def run_every_prefill(eng, widths) -> int:
-    """For every cache geometry `eng`'s batchers have stepped, a prefill on padding rows at every
+    """For every cache geometry `eng`'s schedulers have stepped, a prefill on padding rows at every
     batch bucket up to its slot count and each of `widths` (prompt buckets): continuous batching
     admits as many prompts as slots have freed, so the prefills of a pass differ from the last
     one's (a benchmark's untimed pass). Returns the prefill calls made."""
-    from dspark_jax.batcher import Batcher, batch_buckets
-    from dspark_jax.warmup import ProgramShape, call_program
+    from dspark_jax.decode.scheduler import Scheduler
+    from dspark_jax.decode.buckets import batch_buckets
+    from dspark_jax.decode.warmup import ProgramShape, call_program
 
     calls = 0
     for slots, max_len in sorted({(p.slots, p.max_len) for p in eng.programs_called}):
-        b = Batcher(eng, slots, max_len)
+        b = Scheduler(eng, slots, max_len)
         for rows in batch_buckets(slots, slots):
             for width in widths:
                 call_program(b, ProgramShape("prefill", rows, width, True))
@@ -130,7 +132,7 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
     import jax
     import jax.numpy as jnp
 
-    from dspark_jax.batcher import pow2
+    from dspark_jax.decode.buckets import pow2
 
     t = eng.t
     max_len = max(512, pow2(context + t + 1))

@@ -117,9 +117,10 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     At `deadline` (a `time.time()`) no further sample starts; the running ones finish and are kept.
     Gives up (RuntimeError) after `max_samples` samples in this call (default 10 per missing
     request): a model that is not instruction-tuned rarely closes a user turn."""
-    from dspark_jax.batcher import Batcher, Request
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import engine_for, eos_ids, output_text
+    from dspark_jax.decode.scheduler import Scheduler, Request
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.generate import engine_for
+    from dspark_jax.decode.requests import eos_ids, output_text
 
     cache = Path(cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -152,17 +153,17 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
             # sampler is seeded by the rows already cached, so no round repeats another
             n = len(rows)
             want = num_queries - accepted
-            batcher = Batcher(engine, batch_size, max_len, seed=settings.seed * 1_000_003 + n)
+            scheduler = Scheduler(engine, batch_size, max_len, seed=settings.seed * 1_000_003 + n)
             for i in range(min(want + want // 4 + 1, budget - counts["sampled"])):
                 # the round's request i opens with opener n + i (in turn)
-                batcher.add(Request(list(prompts[(n + i) % len(prompts)]), settings.max_new_tokens,
+                scheduler.add(Request(list(prompts[(n + i) % len(prompts)]), settings.max_new_tokens,
                                     settings.temperature, settings.top_p, eos, index=i))
-            while batcher.has_work() and accepted < num_queries:
-                if deadline is not None and batcher.num_waiting and time.time() >= deadline:
-                    stop_admitting(batcher)
+            while scheduler.has_work() and accepted < num_queries:
+                if deadline is not None and scheduler.num_waiting and time.time() >= deadline:
+                    stop_admitting(scheduler)
                     if log:
-                        log(f"time budget reached: finishing the {batcher.num_running} running samples")
-                done = [r for r in batcher.step() if r.finish_reason is not None]
+                        log(f"time budget reached: finishing the {scheduler.num_running} running samples")
+                done = [r for r in scheduler.step() if r.finish_reason is not None]
                 lines = []
                 for req in done:
                     opener = words[(n + req.index) % len(words)] if words else ""

@@ -25,9 +25,9 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from dspark_jax.batcher import Request
+from dspark_jax.decode.scheduler import Request
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import output_text, stop_checker
+from dspark_jax.decode.requests import output_text, stop_checker
 from dspark_jax.serving.metrics import Metrics
 from dspark_jax.serving.protocol import ApiError, Limits, ParsedRequest, parse_chat, parse_completion
 from dspark_jax.serving.worker import EngineWorker, Handle, QueueFull, Update

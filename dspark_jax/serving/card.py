@@ -4,7 +4,7 @@ chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
 `average_tokens_per_forward`), acceptance % (accepted / drafted) and the number of prompts.
 
 Generation goes through the serving stack: one `Engine` per draft, each turn measured by
-`acceptance.measure_acceptance` (one-slot `Batcher`s, the loop the server runs). With a reference
+`acceptance.measure_acceptance` (one-slot `Scheduler`s, the loop the server runs). With a reference
 draft the same prompts run again and the ratio table (ours / reference, per benchmark and the
 mean) compares the two on the same stack.
 
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dspark_jax.acceptance import measure_acceptance
+from dspark_jax.decode.acceptance import measure_acceptance
 from dspark_jax.data.eval_sets import BenchItem, load_benchmark
-from dspark_jax.engine import Engine
-from dspark_jax.engine_config import EngineConfig
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.config import EngineConfig
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import encode_prompt
-from dspark_jax.stats import SpecStats
+from dspark_jax.decode.requests import encode_prompt
+from dspark_jax.decode.stats import SpecStats
 
 CARD_NAMES = {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt_bench": "MT-Bench", "aime": "AIME 2026"}
 ALIASES = {"mtbench": "mt_bench", "mt-bench": "mt_bench", "aime26": "aime", "aime2026": "aime"}

@@ -25,9 +25,9 @@ from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_targe
 from dspark_jax.api import resolve_dtype as api_resolve_dtype
 from dspark_jax.cache import value_dtype
 from dspark_jax.config import DraftConfig
-from dspark_jax.engine import pool_geometry
-from dspark_jax.engine_config import DTYPE_CHOICES, EngineConfig
-from dspark_jax.generate import tokenizer_for
+from dspark_jax.decode.engine import pool_geometry
+from dspark_jax.decode.config import DTYPE_CHOICES, EngineConfig
+from dspark_jax.decode.requests import tokenizer_for
 from dspark_jax.presets import resolve_model_path
 
 log = logging.getLogger("dspark_jax.serving")

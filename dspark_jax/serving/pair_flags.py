@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from dspark_jax.engine_config import DTYPE_CHOICES, DTYPE_HELP
+from dspark_jax.decode.config import DTYPE_CHOICES, DTYPE_HELP
 
 FLAGS = flags.FLAGS
 

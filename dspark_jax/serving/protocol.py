@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import jinja2
 
 from dspark_jax.errors import RequestError
-from dspark_jax.generate import encode_prompt
+from dspark_jax.decode.requests import encode_prompt
 
 MAX_STOP_STRINGS = 16
 # the chat roles OpenAI's API defines; anything else is a client error, not text for the template

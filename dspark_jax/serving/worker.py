@@ -1,8 +1,8 @@
-"""The engine thread: the one owner of the `Batcher` (and so of the compiled steps and caches).
+"""The engine thread: the one owner of the `Scheduler` (and so of the compiled steps and caches).
 
 HTTP handlers never touch the model. They `submit` a `Request` and receive `Update`s on an
 asyncio queue of their event loop; `abort` (client gone) frees the slot. The thread sleeps on its
-inbox while idle, otherwise it drains the inbox and runs one `Batcher.step()` per iteration,
+inbox while idle, otherwise it drains the inbox and runs one `Scheduler.step()` per iteration,
 pushing each request's new tokens back. Every `stats_interval` seconds with new steps it logs an
 `[MTP Stats]` line with the cumulative acceptance statistics.
 """
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark_jax.batcher import Batcher, Request
+from dspark_jax.decode.scheduler import Scheduler, Request
 from dspark_jax.errors import RequestError
 
 log = logging.getLogger("dspark_jax.serving")
@@ -62,14 +62,14 @@ def format_mtp_stats(stats: dict, extra: str = "") -> str:
 
 
 class EngineWorker:
-    """Runs `batcher` on a background thread. `max_queue`: requests allowed to wait for a slot
+    """Runs `scheduler` on a background thread. `max_queue`: requests allowed to wait for a slot
     (beyond it `submit` raises QueueFull). `on_finish(handle, update)` runs on the engine thread
     when a request ends (metrics)."""
 
-    def __init__(self, batcher: Batcher, *, max_queue: int = 256, stats_interval: float = 10.0,
+    def __init__(self, scheduler: Scheduler, *, max_queue: int = 256, stats_interval: float = 10.0,
                  on_finish: Callable[[Handle, Update], None] | None = None,
                  on_first_token: Callable[[Handle], None] | None = None):
-        self.batcher = batcher
+        self.scheduler = scheduler
         self.max_queue = max_queue
         self.stats_interval = stats_interval
         self.on_finish, self.on_first_token = on_finish, on_first_token
@@ -79,13 +79,13 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._stats = batcher.stats.to_dict()  # snapshot, replaced after each step
+        self._stats = scheduler.stats.to_dict()  # snapshot, replaced after each step
         self._num_steps = 0
         self.error: BaseException | None = None
 
     # -- called from HTTP handlers ------------------------------------------------------------
     def submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> Handle:
-        self.batcher.check(req)
+        self.scheduler.check(req)
         with self._lock:
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests are already waiting for a slot "
@@ -107,7 +107,7 @@ class EngineWorker:
 
     @property
     def num_running(self) -> int:
-        return self.batcher.num_running
+        return self.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
@@ -131,16 +131,16 @@ class EngineWorker:
     def _loop(self) -> None:
         last_log, logged_steps = time.monotonic(), 0
         while not self._stop.is_set():
-            self._drain(block=not self.batcher.has_work())
-            if self.batcher.has_work():
+            self._drain(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
                 try:
-                    touched = self.batcher.step()
+                    touched = self.scheduler.step()
                 except Exception as e:  # a failed step must not kill the server
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_all(f"engine error: {type(e).__name__}: {e}")
                     continue
-                self._num_steps = self.batcher.num_steps
-                self._stats = self.batcher.stats.to_dict()
+                self._num_steps = self.scheduler.num_steps
+                self._stats = self.scheduler.stats.to_dict()
                 for req in touched:
                     self._push(req)
             now = time.monotonic()
@@ -167,7 +167,7 @@ class EngineWorker:
         if kind == "add":
             assert handle is not None
             try:
-                self.batcher.add(handle.request)
+                self.scheduler.add(handle.request)
             except RequestError as e:          # validated at submit; kept for safety
                 self._release_pending()
                 self._send(handle, Update([], error=str(e)))
@@ -179,7 +179,7 @@ class EngineWorker:
             if self._handles.pop(req, None) is not None:
                 if handle.sent == 0:
                     self._release_pending()    # it was still waiting
-                self.batcher.abort(req)
+                self.scheduler.abort(req)
                 if self.on_finish is not None:
                     self.on_finish(handle, Update([], "abort", req.stats.to_dict() if req.stats else None))
 
@@ -208,7 +208,7 @@ class EngineWorker:
         for req, handle in list(self._handles.items()):
             if handle.sent == 0:               # includes requests admitted by the failed step
                 self._release_pending()
-            self.batcher.abort(req)
+            self.scheduler.abort(req)
             self._send(handle, Update([], error=message))
         self._handles.clear()
 

@@ -62,7 +62,7 @@ class HeldOutEval:
                  num_speculative_tokens: int = 7, batch_size: int = 8):
         if not prompts:
             raise ValueError("HeldOutEval: no prompts")
-        from dspark_jax.generate import encode_prompt, tokenizer_for
+        from dspark_jax.decode.requests import encode_prompt, tokenizer_for
         ids_only = all(isinstance(p, (list, tuple)) and p and all(isinstance(x, int) for x in p) for p in prompts)
         try:      # loaded once: the chat template for text prompts, the tokenizer's end-of-turn ids
             tokenizer = tokenizer_for(target)
@@ -77,8 +77,8 @@ class HeldOutEval:
         self._engine = None
 
     def _engine_for(self, draft):
-        from dspark_jax.engine import Engine, cast_floating
-        from dspark_jax.engine_config import EngineConfig
+        from dspark_jax.decode.engine import Engine, cast_floating
+        from dspark_jax.decode.config import EngineConfig
         if self._engine is None:
             self._engine = Engine(self.target, draft, EngineConfig(num_speculative_tokens=self.t))
         else:   # same structure, new weights: reuse the compiled programs
@@ -87,7 +87,7 @@ class HeldOutEval:
         return self._engine
 
     def __call__(self, draft) -> dict:
-        from dspark_jax.acceptance import measure_acceptance
+        from dspark_jax.decode.acceptance import measure_acceptance
         t0 = time.time()
         engine = self._engine_for(draft)
         run = measure_acceptance(self.target, draft, self.prompts, max_new_tokens=self.max_new_tokens,

@@ -126,7 +126,7 @@ def read_cache(path: str | os.PathLike) -> list[dict]:
 def write_snapshot(cache: str | os.PathLike, prompt_ids: Sequence[str], dst: str | os.PathLike) -> int:
     """The cached answers of `prompt_ids`, in that order, as a cache file of their own (with its
     settings file): a fixed training set while the cache keeps growing, and the same rows
-    whatever order the batcher finished them in. Every prompt must be answered already."""
+    whatever order the scheduler finished them in. Every prompt must be answered already."""
     rows = {r["id"]: r for r in read_cache(cache)}
     missing = [i for i in prompt_ids if i not in rows]
     if missing:
@@ -291,9 +291,11 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                 on_write, deadline: float | None, max_num_batched_tokens: int | None = None) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
-    from dspark_jax.batcher import Batcher, Request, pow2
-    from dspark_jax.engine_config import EngineConfig
-    from dspark_jax.generate import default_max_len, encode_prompt, engine_for, eos_ids, output_text
+    from dspark_jax.decode.scheduler import Scheduler, Request
+    from dspark_jax.decode.buckets import pow2
+    from dspark_jax.decode.config import EngineConfig
+    from dspark_jax.decode.requests import default_max_len, encode_prompt, eos_ids, output_text
+    from dspark_jax.decode.generate import engine_for
 
     check_meta(out, settings)
     repair_tail(out)
@@ -314,18 +316,18 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     eos = frozenset(eos_ids(target, tokenizer))
     engine = engine_for(target, None, EngineConfig(num_speculative_tokens=0))
     dtype = np.dtype(engine.compute_dtype).name
-    batcher = Batcher(engine, batch_size, max_len, seed=settings.seed, max_num_batched_tokens=max_num_batched_tokens)
+    scheduler = Scheduler(engine, batch_size, max_len, seed=settings.seed, max_num_batched_tokens=max_num_batched_tokens)
     for i, p in enumerate(prompts):
-        batcher.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
+        scheduler.add(Request(p, settings.max_new_tokens, settings.temperature, 1.0, eos, index=i))
     t0 = last_log = time.time()
     with open(out, "a", encoding="utf-8") as f:
-        while batcher.has_work():
-            if deadline is not None and batcher.num_waiting and time.time() >= deadline:
-                counts["unanswered"] = stop_admitting(batcher)
+        while scheduler.has_work():
+            if deadline is not None and scheduler.num_waiting and time.time() >= deadline:
+                counts["unanswered"] = stop_admitting(scheduler)
                 if log:
                     log(f"time budget reached: {counts['unanswered']} prompts left for a resume, "
-                        f"finishing the {batcher.num_running} running")
-            finished = [r for r in batcher.step() if r.finish_reason is not None]
+                        f"finishing the {scheduler.num_running} running")
+            finished = [r for r in scheduler.step() if r.finish_reason is not None]
             lines = []
             for req in finished:
                 rec = todo[req.index]
@@ -344,7 +346,7 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
             f.flush()
             os.fsync(f.fileno())
             counts["written"] += len(lines)
-            if log and (time.time() - last_log > 30 or not batcher.has_work()):
+            if log and (time.time() - last_log > 30 or not scheduler.has_work()):
                 last_log = time.time()
                 dt = last_log - t0
                 left = len(todo) - counts["written"]
@@ -357,11 +359,11 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
     return counts
 
 
-def stop_admitting(batcher) -> int:
-    """Drop the batcher's waiting requests (the running ones go on); returns how many."""
-    waiting = list(batcher.waiting)
+def stop_admitting(scheduler) -> int:
+    """Drop the scheduler's waiting requests (the running ones go on); returns how many."""
+    waiting = list(scheduler.waiting)
     for r in waiting:
-        batcher.abort(r)
+        scheduler.abort(r)
     return len(waiting)
 
 

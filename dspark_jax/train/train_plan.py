@@ -1,5 +1,5 @@
 """Distillation plan: does one training step of a draft with its Kimi teacher fit the training mesh,
-and what does it cost? Abstract models, AOT compile, no weights (as dspark_jax/plan.py for serving).
+and what does it cost? Abstract models, AOT compile, no weights (as dspark_jax/plan/serving.py for serving).
 
 The program compiled is the trainer's own step (`Trainer.lower_step`: teacher, DSpark loss over
 the anchors, gradient accumulation, clipping, AdamW) on the training mesh of `train_mesh`, with
