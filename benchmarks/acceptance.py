@@ -4,7 +4,7 @@
     python -m benchmarks.acceptance --drafts runs/demo/smollm2-135m-dspark,runs/demo/smollm2-135m-dflash-ablation \
         --gsm8k 60 --mt_bench 20 --output_json runs/demo/acceptance.json
 
-T=0 by default, chat template on, MT-Bench first turns only. Prompts run in batches through
+temperature 0 by default, chat template on, MT-Bench first turns only. Prompts run in batches through
 `generate()`: greedy speculative output equals the target's own greedy output token for token, so
 tok/fwd does not depend on the batch size (the server's concurrency-1 figure is the same number; the
 `serve.bench` card table measures it that way). `--temperature T` samples instead (rejection
@@ -17,7 +17,7 @@ at all (its kept ids; 100 % at full vocabulary): a ceiling on what any training 
 Is a draft better than another, or is it noise on 20 prompts? Each draft after the first gets its
 difference from the first with a paired bootstrap 95 % interval: the prompts resampled with
 replacement, the same ones for both drafts, each time the aggregate tok/fwd (accepted drafts over
-verify steps, summed over the prompts) of both. At T = 0 both drafts generate the target's own
+verify steps, summed over the prompts) of both. At temperature 0 both drafts generate the target's own
 tokens, so the pairing leaves only the drafts' difference. `--compare A.json,B.json` does the same
 for results written by separate runs (for example one per core), without loading a model:
 

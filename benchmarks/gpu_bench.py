@@ -21,7 +21,7 @@ failure or a hang costs that stage only, and every stage fits in what is left of
               hidden, Markov rank 256), random weights drawn on the device, pages of 128
   demo        plain vs speculative generate() on the demo pair's real weights (the `smollm2-135m`
               preset, installed and converted on first use, or --demo_target; the shipped draft),
-              GSM8K test prompts from the data registry with the chat template, T=0, 128 new
+              GSM8K test prompts from the data registry with the chat template, temperature 0, 128 new
               tokens, batch 1, bf16 (benchmarks.peers' protocol)
   torch       transformers' LlamaForCausalLM.generate on the same weights, prompt ids and GPU;
               skipped, with the reason recorded, when torch has no CUDA device
@@ -318,7 +318,7 @@ def worker_demo(emit) -> None:
                 max_new_tokens=ARGS.max_new_tokens, rounds=ARGS.rounds, prompts=len(ids),
                 prompt_tokens=[len(p) for p in ids])
     print(f"{len(ids)} GSM8K test prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
-          f"{ARGS.max_new_tokens} new tokens, T=0, batch 1, {dt}", flush=True)
+          f"{ARGS.max_new_tokens} new tokens, temperature 0, batch 1, {dt}", flush=True)
     emit(data)
     systems = peers.ours_systems(str(target_dir), ARGS.demo_draft, [dt], {"ours_plain", "ours_spec"},
                                  ARGS.num_speculative_tokens, tok)
@@ -690,7 +690,7 @@ def tables(results: dict, info: dict) -> str:
         lines += [f"| {k} | {v:.1f} | {n} |" for k, (v, n) in partial.items()]
     if demo.get("rows") or torch_.get("row"):
         n = demo.get("prompts") or torch_.get("prompts")
-        lines += ["", f"## Demo pair, real weights: {n} GSM8K test prompts, batch 1, T=0, "
+        lines += ["", f"## Demo pair, real weights: {n} GSM8K test prompts, batch 1, temperature 0, "
                       f"{demo.get('max_new_tokens') or torch_.get('max_new_tokens')} new tokens, "
                       f"{demo.get('dtype') or torch_.get('dtype')} (tok/s: best of rounds, prefill included)", "",
                   "| system | tok/s | vs ours plain | tok/fwd | greedy output = ours plain |",

@@ -14,7 +14,7 @@ Systems (each in every dtype of --dtypes, except llama.cpp which runs the GGUF a
 
 What is measured: GSM8K test questions (the first --num_prompts), rendered once with the target's
 chat template into token ids by our tokenizer; every system gets those ids (so the prompts are the
-same to the token), T=0, batch 1, at most --max_new_tokens new tokens, stopping at EOS. A run is
+same to the token), temperature 0, batch 1, at most --max_new_tokens new tokens, stopping at EOS. A run is
 one prompt's whole generation, timed end to end (prefill included): tokens/s = generated tokens
 (EOS included) / wall seconds of the calls. Every system is warmed up once on the first prompt;
 then --rounds rounds, each going prompt by prompt through every system (the order of the systems
@@ -125,7 +125,7 @@ def main(argv):
     items = load_gsm8k(limit=_N.value)
     prompts = [encode_prompt(it.conversation(), tok, chat=True) for it in items]
     print(f"{len(prompts)} GSM8K test prompts, {min(map(len, prompts))}-{max(map(len, prompts))} tokens with the "
-          f"chat template; {_NEW.value} new tokens at most, T=0, batch 1", flush=True)
+          f"chat template; {_NEW.value} new tokens at most, temperature 0, batch 1", flush=True)
 
     gguf = Path(_GGUF.value) if _GGUF.value else None
     if gguf is None and _MODEL.value == "smollm2-135m" and wanted & {"llamacpp_plain", "llamacpp_lookup"}:
@@ -164,7 +164,7 @@ def main(argv):
     bad = [r["system"] for r in rows if r["system"].startswith("ours_spec")
            and r.get("identical_to_reference", 0) < r.get("compared_prompts", 0)]
 
-    print(f"\n## Peers on the CPU: batch 1, GSM8K test prompts (chat template), T=0, "
+    print(f"\n## Peers on the CPU: batch 1, GSM8K test prompts (chat template), temperature 0, "
           f"{_ROUNDS.value} round(s) alternating, best / median of rounds\n")
     print(describe_cpu(info) + "\n")
     print("tok/s = generated tokens (EOS included) / end-to-end seconds per prompt (prefill included), summed "

@@ -3,7 +3,7 @@
     python -m benchmarks.regen_batch --prompts runs/demo/prompts.jsonl --batch_sizes 8,16,32,64
 
 For each batch size B, the continuous-batching loop (the `Scheduler` regen drives) answers
-`--rounds` x B pool prompts (chat template, T=0, <= --max_new_tokens): a first pass of B prompts
+`--rounds` x B pool prompts (chat template, temperature 0, <= --max_new_tokens): a first pass of B prompts
 compiles the programs, then the timed pass answers the next `--rounds` x B prompts. Prints
 tokens/s per batch size and the ratio to the best, and writes JSON. Generated tokens count every
 emitted token (eos included), as regen's log does. Prompts finishing at different times meet

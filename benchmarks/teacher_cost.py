@@ -2,7 +2,8 @@
 step) vs offline shards (captured states written once, read back each epoch), in float32 and
 bfloat16.
 
-    python -m benchmarks.teacher_cost --data runs/demo/answers-gsm-1123.jsonl --num_samples 32
+    scripts/fetch_data.sh                 # restores the demo's answers under runs/demo-draft/data
+    python -m benchmarks.teacher_cost --num_samples 32
 
 For each teacher dtype, on the first --num_samples answers of --data, in the trainer's batches
 (length-grouped global batches, micro-batches padded to a multiple of 128):
@@ -27,7 +28,9 @@ from pathlib import Path
 
 from absl import app, flags
 
-_DATA = flags.DEFINE_string("data", "runs/demo/answers-gsm-1123.jsonl", "regen cache JSONL (answers)")
+_DATA = flags.DEFINE_string("data", "runs/demo-draft/data/answers-gsm-ifeval-8009.jsonl",
+                            "regen cache JSONL (answers); the default is the GSM8K/IFEval snapshot "
+                            "scripts/fetch_data.sh writes")
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "target directory or preset")
 _DRAFT = flags.DEFINE_string("draft", "smollm2-135m-dspark", "draft directory or preset (its captured layers)")
 _N = flags.DEFINE_integer("num_samples", 32, "answers timed (a multiple of --global_batch)", lower_bound=1)

@@ -10,7 +10,7 @@ For each `--storages` dtype (`train.teacher --aux_dtype`; the first is the basel
    `--init_from`), data order, anchors, schedule and steps for every dtype, so the runs differ only
    in the stored hidden states;
 then `benchmarks.acceptance` serves every run's final export on the same held-out prompts (GSM8K
-test and MT-Bench first turns, T = 0, float32 target) and this program prints each run's tok/fwd
+test and MT-Bench first turns, temperature 0, float32 target) and this program prints each run's tok/fwd
 and, against the baseline, the mean per-prompt tok/fwd difference with a paired bootstrap 95 %
 interval over the prompts (both benchmarks pooled), beside the per-benchmark aggregate difference
 `benchmarks.acceptance` gives. It also reports the shard bytes per token on disk.

@@ -111,7 +111,7 @@ def main(argv) -> None:
     if not primary:
         return
 
-    print(f"\nDSpark acceptance: {pair.target_name} + {pair.draft_name}, T=0, concurrency 1, chat template, "
+    print(f"\nDSpark acceptance: {pair.target_name} + {pair.draft_name}, temperature 0, concurrency 1, chat template, "
           f"{FLAGS.num_speculative_tokens} speculative tokens, max {FLAGS.max_new_tokens} new tokens\n")
     print(card.card_table(results))
     if reference is not None:

@@ -1,8 +1,8 @@
 """One-shot generation: `python -m serve.generate --model DIR --draft_model DIR --prompt "..."`.
 
 Prints the generated text, then the request's `[MTP Stats]` line. Omitted model flags use the demo
-pair (`make demo` runs this with no flags); while the demo draft is not shipped that falls back to
-plain decoding (with a message). Multi-host: the same command on every host with the
+pair, SmolLM2-135M-Instruct with the shipped draft `smollm2-135m-dspark` (`make demo` runs this with
+no flags). Multi-host: the same command on every host with the
 `dspark_jax.distributed` settings and `--tp` = all devices; process 0 prints.
 """
 

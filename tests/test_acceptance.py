@@ -127,7 +127,7 @@ def test_compare_reads_separate_result_files_without_a_model(tmp_path):
 
 def test_measure_acceptance_keeps_each_prompts_statistics():
     """`measure_acceptance` (the card's, the benchmark's and the training monitor's measurement):
-    every prompt's statistics are its own generate() call's at T=0 whatever the batch, and the
+    every prompt's statistics are its own generate() call's at temperature 0 whatever the batch, and the
     aggregate merges them."""
     from dspark_jax.decode.acceptance import measure_acceptance
     from dspark_jax.decode.generate import generate

@@ -2,7 +2,7 @@
 serving a tiny random Llama with SmolLM2's tokenizer and chat template plus a tiny random draft
 (tests/serve_utils.py), driven by the official `openai` client and raw httpx.
 
-Every T=0 answer must equal `generate()` on the same checkpoints in this process (same text,
+Every temperature 0 answer must equal `generate()` on the same checkpoints in this process (same text,
 token for token). The load test is 32 concurrent clients x 3 requests each (96 requests, mixed
 chat/completions, streaming and not) rather than 60 s, to keep CI time sane; with 8 slots the
 server still runs full batches with admissions and departures in between.

@@ -23,7 +23,7 @@ give the same one (checkpoints hold parameters, not the map);
 --resume_torchspec converts a TorchSpec training checkpoint (checkpoint_N.pt) into this run's first
 checkpoint. The draft is exported in the torch layout to <run_dir>/export/step_N at every checkpoint.
 
-Monitoring: --eval_every N measures the served tok/fwd of the current weights (greedy, 7 drafts,
+Monitoring: --eval_every N measures the served tok/fwd of the current weights (temperature 0, 7 drafts,
 generate()) on held-out prompts (default GSM8K test 60..60+--eval_num_prompts, outside the
 acceptance benchmark's first 60; or --eval_prompts_file) at the start and every N steps:
 <run_dir>/eval.jsonl, TensorBoard eval/* under <run_dir>/tb, <run_dir>/learning_curve.png.
@@ -110,8 +110,9 @@ flags.DEFINE_float("min_lr_frac", 0.0, "Final learning rate as a fraction of the
 flags.DEFINE_float("clip", 1.0, "Gradient clipping (global norm).")
 flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_enum("compute_dtype", "auto", ["auto", "bfloat16", "float32"],
-                  "Draft forward/backward dtype; auto = bfloat16 on accelerators, float32 on CPU (XLA:CPU "
-                  "cannot run some bf16 x bf16 -> f32 dots of the training step).")
+                  "Draft forward/backward dtype; auto = bfloat16 on accelerators, float32 on CPU. bfloat16 "
+                  "runs on CPU too, and faster where XLA:CPU has a native bf16 GEMM (AVX-512 BF16 / AMX), "
+                  "as every CPU recipe in docs/training.md passes it.")
 flags.DEFINE_integer("seed", 0, "Init, data order and anchor sampling seed.")
 flags.DEFINE_integer("save_every", 100, "Checkpoint (and export) every N steps.")
 flags.DEFINE_integer("log_every", 1, "Log every N steps.")
@@ -243,7 +244,7 @@ def main(argv: list[str]) -> None:
                                         num_speculative_tokens=FLAGS.num_speculative_tokens,
                                         batch_size=FLAGS.eval_batch_size)
         log(f"held-out eval every {FLAGS.eval_every} steps: {len(prompts)} prompts ({where}), "
-            f"{FLAGS.eval_max_new_tokens} new tokens, greedy, {FLAGS.num_speculative_tokens} drafts")
+            f"{FLAGS.eval_max_new_tokens} new tokens, temperature 0, {FLAGS.num_speculative_tokens} drafts")
     loop_lib.run(trainer, source, stop_after=FLAGS.stop_after, stop_at=FLAGS.stop_at, evaluator=evaluator,
                     cpu_budget=FLAGS.cpu_budget, time_budget=FLAGS.time_budget)
     if settings.multi_process:

@@ -3,7 +3,7 @@
     python -m train.regen --prompts runs/demo/prompts.jsonl --out runs/demo/regen.jsonl \
         [--model smollm2-135m] [--max_new_tokens 256] [--batch_size 8] [--limit N] [--snapshot FILE]
 
-Greedy (T=0) by default, through `generate()` with the serving chat template. Rerunning the same
+Greedy (temperature 0) by default, through `generate()` with the serving chat template. Rerunning the same
 command resumes: prompts already in --out are skipped. Progress (prompts, tokens/s, ETA) goes to
 stdout after every batch. --num_shards/--shard_index split the pool over several processes, each
 writing its own --out. --tp N places the target on N devices as serving does (a Kimi-K3 target on

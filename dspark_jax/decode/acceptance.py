@@ -4,7 +4,7 @@ and the `Scheduler` the server runs), with each prompt's statistics.
 Three callers read their figures from it: the acceptance card (`serving/card.py`, one prompt a
 call: a conversation's turns follow its own answers), the drafts' comparison
 (`benchmarks/acceptance.py`, batches) and the held-out eval of a training run
-(`train/monitor.py`, batches on a kept engine). At T = 0 a greedy speculative output is the
+(`train/monitor.py`, batches on a kept engine). At temperature 0 a greedy speculative output is the
 target's own greedy output, so tok/fwd does not depend on the batch size.
 """
 

@@ -64,7 +64,7 @@ class EngineConfig:
 
     def for_pair(self, draft, *, proposer=None) -> tuple[object, "EngineConfig"]:
         """(draft, config) as the engine runs them: without a draft (and without an external
-        proposer) T is 0; with T = 0 the draft is not used."""
+        proposer) T is 0; with no drafts per step the draft is not used."""
         if draft is None and proposer is None:
             return None, self.replace(num_speculative_tokens=0)
         if not self.speculative:

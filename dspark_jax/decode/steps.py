@@ -81,7 +81,7 @@ def draft_block(draft, embed_VD: jax.Array, lm_head_VD: jax.Array, anchor_B: jax
                 active_B: jax.Array | None = None, width: int | None = None) -> DraftProposal:
     """One block pass: block `[x0, M x (T-1)]` at positions p..p+T-1 (x0 = anchor at p) attends to
     the context rows at positions < p and to the whole block; then the Markov head drafts left to
-    right (greedy at T=0, sampled from the biased distribution otherwise). `active_B`: rows whose
+    right (greedy at temperature 0, sampled from the biased distribution otherwise). `active_B`: rows whose
     block rows are written (None: every row); the others read their own block but store nothing.
     `width`: drafts wanted (None: all T), from a block of that many rows `[x0, M x (width-1)]`,
     what a draft run at T = width drafts: the block's attention is bidirectional, so these are
@@ -129,7 +129,7 @@ class Acceptance(NamedTuple):
 def accept_greedy(target_logits_BT1V: jax.Array, drafts_BT: jax.Array,
                   limit_B: jax.Array | None = None) -> Acceptance:
     """Target argmax per row; accept the drafts that equal it, up to the first mismatch (ATOM's
-    rejection sampler at T=0). `limit_B` caps n (room left before max length)."""
+    rejection sampler at temperature 0). `limit_B` caps n (room left before max length)."""
     t_BT1 = argmax(target_logits_BT1V).astype(drafts_BT.dtype)
     n = _leading_true(drafts_BT == t_BT1[:, :-1])
     if limit_B is not None:

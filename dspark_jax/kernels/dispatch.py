@@ -1,7 +1,7 @@
 """The one place that decides Pallas kernel vs pure-JAX reference.
 
 Modes (`use_kernels(mode)` inside a `with` block, else the env var DSPARK_KERNELS, else "auto"):
-- "auto": kernels on GPU (CUDA or ROCm, Triton lowering), references elsewhere (CPU, TPU); the
+- "auto": kernels on GPU (Triton lowering: CUDA, run on an H200; ROCm, not run yet), references elsewhere; the
   paged MLA decode kernel only for block tables of at least a crossover measured on a GPU
   (`mla_paged_min_keys`), below it the reference read chunk by chunk (`mla_paged_chunked`);
 - "on": kernels everywhere (at every table width), in interpret mode where there is no GPU;

@@ -81,7 +81,7 @@ def serving_scheduler(target, draft, config: EngineConfig, scheduling: Scheduler
 
 def largest_programs(shapes: Sequence[warmup.ProgramShape], t: int) -> dict[str, warmup.ProgramShape]:
     """The largest shape of each kind in a warm-up list (cheapest first, so the last of each):
-    `prefill`; `step`, the one-token step (width 0, or any step of a T = 0 engine); `verify`, T
+    `prefill`; `step`, the one-token step (width 0, or any step of an engine without drafts); `verify`, T
     drafts (width None)."""
     out = {}
     for s in shapes:

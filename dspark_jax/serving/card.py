@@ -1,5 +1,5 @@
 """The acceptance benchmark (the model card's table): GSM8K (1319), HumanEval (164), MT-Bench (80,
-both turns in one conversation), AIME 2026 (30, from a user JSONL), greedy (T=0), concurrency 1,
+both turns in one conversation), AIME 2026 (30, from a user JSONL), greedy (temperature 0), concurrency 1,
 chat template on. Per benchmark: tok/fwd (mean acceptance length, ATOM's
 `average_tokens_per_forward`), acceptance % (accepted / drafted) and the number of prompts.
 
@@ -261,7 +261,7 @@ def plot_per_position(results: dict[str, BenchResult], path: str | os.PathLike,
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title or "DSpark per-position acceptance (T=0)")
+    ax.set_title(title or "DSpark per-position acceptance (temperature 0)")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Held-out served acceptance during training: eval, history, learning curve.
 
 - `HeldOutEval`: served tok/fwd of the CURRENT draft weights on a small fixed prompt set, through
-  the serving path (`acceptance.measure_acceptance`: `generate()`, T=0, chat template for text prompts). The default set
-  is GSM8K-test prompts 60..60+N: `benchmarks.acceptance` measures the first 60, so the training
+  the serving path (`acceptance.measure_acceptance`: `generate()`, temperature 0, chat template for
+  text prompts). The default set is GSM8K-test prompts 60..60+N: `benchmarks.acceptance` measures the first 60, so the training
   curve never looks at the benchmark's prompts. One `Engine` is kept and only its draft state is
   swapped per eval, so the compiled programs are reused (a fresh draft object would recompile).
 - `EvalHistory`: `<run_dir>/eval.jsonl`, one row per eval {step, sequences_seen, tok_per_fwd,
@@ -152,7 +152,7 @@ class EvalHistory:
         rows = self.rows()
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
         xs = [r["sequences_seen"] for r in rows]
-        ax.plot(xs, [r["tok_per_fwd"] for r in rows], "o-", label="held-out served tok/fwd (T=0)")
+        ax.plot(xs, [r["tok_per_fwd"] for r in rows], "o-", label="held-out served tok/fwd (temperature 0)")
         tau = [(r["sequences_seen"], r["train_tau"]) for r in rows if r.get("train_tau") is not None]
         if tau:
             ax.plot(*zip(*tau), "s--", alpha=0.7, label="training tau_probabilistic (last step)")
