@@ -76,7 +76,7 @@ def _reference_fp8(x: np.ndarray, dtype) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_fp8_shards_read_back_as_quantize_dequantize_exactly(tmp_path, dtype):
     data = _data(dtype)
-    meta = _meta(dtype, teacher.FP8)
+    meta = _meta(dtype, teacher_shards.FP8)
     _write(tmp_path, meta, data)
     got = _read_all(tmp_path)
     assert [e.sample.id for e in got] == [d[0].id for d in data]
@@ -96,7 +96,7 @@ def test_fp8_shards_read_back_as_quantize_dequantize_exactly(tmp_path, dtype):
     assert meta_json["version"] == 2 and meta_json["aux_dtype"] == "float8_e4m3fn" and meta_json["dtype"] == dtype
 
 
-@pytest.mark.parametrize("aux_dtype", [None, teacher.FP8])
+@pytest.mark.parametrize("aux_dtype", [None, teacher_shards.FP8])
 def test_bytes_per_token_is_what_a_shard_holds(tmp_path, aux_dtype):
     """`bytes_per_token` (the figure train.plan prints) against the fields of a written shard
     (all but the per-sequence offsets)."""
@@ -146,12 +146,12 @@ def test_mixed_or_damaged_shards_fail_naming_the_file_and_the_field(tmp_path):
     data = _data("bfloat16")
     bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
     _write(bf16, _meta("bfloat16"), data)
-    _write(fp8, _meta("bfloat16", teacher.FP8), data)
+    _write(fp8, _meta("bfloat16", teacher_shards.FP8), data)
 
     # a writer with other storage than the directory's
     with pytest.raises(ValueError, match=r"meta\.json: written with other settings .*aux_dtype: 'bfloat16' vs "
                                          r"'float8_e4m3fn'"):
-        teacher_shards.ShardWriter(bf16, 0, _meta("bfloat16", teacher.FP8))
+        teacher_shards.ShardWriter(bf16, 0, _meta("bfloat16", teacher_shards.FP8))
 
     def fails(directory, name, pattern):
         with pytest.raises(CheckpointError, match=pattern) as e:
@@ -215,7 +215,7 @@ def test_interrupted_fp8_writer_resumes_to_the_same_bytes(pair, samples, tmp_pat
     target, draft = pair
     meta = teacher_shards.ShardMeta(num_writers=2, shard_size=2, aux_layer_ids=tuple(draft.cfg.target_layer_ids),
                              hidden_size=32, aux_width=64, dtype="float32", target="tiny", max_len=40,
-                             aux_dtype=teacher.FP8)
+                             aux_dtype=teacher_shards.FP8)
     for w in range(2):
         teacher_shards.write_teacher_shards(target, samples, tmp_path / "whole", writer=w, meta=meta, batch_size=2)
 
@@ -258,7 +258,7 @@ def test_device_and_host_quantization_write_the_same_shards(pair, samples, tmp_p
     target, draft = pair
     meta = teacher_shards.ShardMeta(num_writers=1, shard_size=4, aux_layer_ids=tuple(draft.cfg.target_layer_ids),
                              hidden_size=32, aux_width=64, dtype="float32", target="tiny", max_len=40,
-                             aux_dtype=teacher.FP8)
+                             aux_dtype=teacher_shards.FP8)
     teacher_shards.write_teacher_shards(target, samples, tmp_path / "device", writer=0, meta=meta, batch_size=2)
     host = teacher_shards.ShardWriter(tmp_path / "host", 0, meta)
     fn = nnx.jit(teacher.teacher_outputs, static_argnums=3)
@@ -294,7 +294,7 @@ def test_train_teacher_aux_dtype_flag(pair, samples, tmp_path):
     first = subprocess.run(cmd + ["--writer=0"], **kw)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "hidden states stored as float8_e4m3fn: 113 bytes per token" in first.stdout  # 3 x 32 + 3 x 4 + 5
-    assert teacher_shards.read_meta(out).aux_dtype == teacher.FP8
+    assert teacher_shards.read_meta(out).aux_dtype == teacher_shards.FP8
     assert SafetensorsFile(out / teacher_shards.shard_name(0, 0)).tensors["aux_hidden"].dtype == "F8_E4M3"
     second = subprocess.run(cmd + ["--writer=1", "--aux_dtype=auto"], **kw)
     assert second.returncode != 0

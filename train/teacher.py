@@ -26,14 +26,14 @@ from dspark_jax.config import DraftConfig, load_config
 from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags
-from dspark_jax.train import regen, teacher, teacher_shards, train_mesh
+from dspark_jax.train import regen, teacher_shards, train_mesh
 
 FLAGS = flags.FLAGS
 pair_flags.define_model("smollm2-135m", name="target", help="Target model: directory or preset name.")
 pair_flags.define_tp()
 train_mesh.define_flags(fsdp=False)
 pair_flags.define_dtype("float32", ("float32", "bfloat16"), "Teacher compute dtype (what the trainer receives).")
-flags.DEFINE_enum("aux_dtype", teacher.FP8, ["auto", *teacher_shards.AUX_DTYPES],
+flags.DEFINE_enum("aux_dtype", teacher_shards.FP8, ["auto", *teacher_shards.AUX_DTYPES],
                   "Storage of the hidden states in the shards: float8_e4m3fn stores each token's row of each "
                   "captured layer (and of the final state) as float8 with one float32 scale (max|x| / 448), half "
                   "a bf16 shard; 'auto' stores them in --dtype. The trainer reads them back in --dtype.")

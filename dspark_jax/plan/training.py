@@ -34,7 +34,6 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
 from dspark_jax.plan.serving import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
-from dspark_jax.train import teacher as teacher_lib
 from dspark_jax.train import teacher_shards as teacher_shards_lib
 from dspark_jax.train import train_mesh
 from dspark_jax.train import trainer as trainer_lib
@@ -86,7 +85,7 @@ def shard_bytes_per_token(cfg: KimiConfig, draft_cfg: DraftConfig, dtype: str = 
 def shard_storage(cfg: KimiConfig, draft_cfg: DraftConfig, target_dtype: str) -> dict[str, int]:
     """Bytes per token of the shards `train.teacher` can write for this pair: in the teacher's
     dtype, in bf16 and in float8 (`--aux_dtype`)."""
-    dtypes = dict.fromkeys((target_dtype, "bfloat16", teacher_lib.FP8))
+    dtypes = dict.fromkeys((target_dtype, "bfloat16", teacher_shards_lib.FP8))
     return {d: shard_bytes_per_token(cfg, draft_cfg, d) for d in dtypes}
 
 
@@ -154,7 +153,7 @@ def format_train_plan(plan: TrainPlan) -> list[str]:
         lines.append(f"step-time floor at {device}'s stated peak dense bf16 ({peak / 1e15:.3g} PFLOP/s): "
                      f"{plan.step_seconds(device):.3f} s")
     lines.append("offline shard storage per token: " + ", ".join(
-        f"{n:,} bytes in {d}" + (" (+ float32 row scales)" if d == teacher_lib.FP8 else "")
+        f"{n:,} bytes in {d}" + (" (+ float32 row scales)" if d == teacher_shards_lib.FP8 else "")
         for d, n in plan.shard_bytes_per_token.items()))
     lines.append(f"per-device peak: {plan.peak_bytes / GIB:.1f} GiB of {plan.capacity_gib:.0f} GiB")
     return lines
