@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark_jax.checkpoint.draft_layout import vocab_map_arrays
+from dspark_jax.models.dspark import vocab_map_arrays
 from tests.torch_ref_dspark import DSparkDraftRef
 
 METADATA = {"torchspec_version": "0.1.0"}

@@ -1,4 +1,6 @@
-"""The package's module graph has no cycles (a newcomer can read it bottom-up).
+"""The package's module graph has no cycles (a newcomer can read it bottom-up), and neither has its
+folder graph: each folder of the package (`decode`, `models`, ...) taken as one node, the root's
+modules as nodes of their own, so imports flow one way between folders.
 
 Every `import` / `from ... import` of a `dspark_jax` module counts, also those inside functions
 (a deferred import is how a cycle hides)."""
@@ -74,3 +76,30 @@ def test_no_import_cycles():
     assert "dspark_jax.decode.generate" in graph and graph["dspark_jax.api"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def folder_of(module: str) -> str:
+    """`dspark_jax.decode.engine` -> `decode`; a root module stays itself (`dspark_jax.cache`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else module
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {folder_of(m): set() for m in graph}
+    for m, deps in graph.items():
+        out[folder_of(m)] |= {folder_of(d) for d in deps} - {folder_of(m)}
+    return out
+
+
+def test_the_folder_graph_collapses_folders():
+    graph = {"dspark_jax.a.x": {"dspark_jax.b.y"}, "dspark_jax.b.y": {"dspark_jax.a.z"}, "dspark_jax.a.z": set(),
+             "dspark_jax.leaf": set()}
+    assert find_cycle(folder_graph(graph)) == ["a", "b", "a"]      # acyclic as modules, not as folders
+    assert find_cycle(graph) is None
+
+
+def test_no_import_cycles_between_folders():
+    graph = folder_graph(import_graph())
+    assert {"decode", "models", "checkpoint", "train", "data"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "folder import cycle: " + " -> ".join(cycle)

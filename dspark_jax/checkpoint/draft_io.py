@@ -58,7 +58,6 @@ from dspark_jax.checkpoint.draft_layout import (
     check_vocab_map,
     draft_inventory,
     dtype_name,
-    vocab_map_arrays,
     vocab_map_vars,
 )
 from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, orbax_leaves, staging
@@ -70,7 +69,7 @@ from dspark_jax.checkpoint.safetensors_io import (
     save_arrays,
 )
 from dspark_jax.config import ConfigError, DraftConfig
-from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.models.dspark import K3DSparkModel, vocab_map_arrays
 
 SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

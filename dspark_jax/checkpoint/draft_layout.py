@@ -116,18 +116,6 @@ def check_vocab_map(cfg: DraftConfig, d2t: np.ndarray, t2d: np.ndarray, where: s
     return ids
 
 
-def vocab_map_arrays(target_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d2t int64 [K], t2d bool [V]) for ascending kept target ids (the file form)."""
-    ids = np.asarray(target_ids, np.int64)
-    if ids.ndim != 1 or (ids.size > 1 and not np.all(np.diff(ids) > 0)):
-        raise ValueError("kept target ids must be a strictly increasing 1-D list")
-    if ids.size and (ids[0] < 0 or ids[-1] >= vocab_size):
-        raise ValueError(f"kept target ids must lie in 0..{vocab_size - 1}")
-    t2d = np.zeros(vocab_size, bool)
-    t2d[ids] = True
-    return ids - np.arange(ids.size, dtype=np.int64), t2d
-
-
 def draft_inventory(cfg: DraftConfig, *, include_embed: bool = True,
                     metadata: Mapping[str, str] | None = TORCHSPEC_METADATA) -> DraftInventory:
     """The tensors a torch-layout draft file holds for `cfg`, in the order torch's `save_file`

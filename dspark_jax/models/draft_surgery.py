@@ -12,9 +12,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import params as params_lib
-from dspark_jax.checkpoint.draft_layout import vocab_map_arrays
 from dspark_jax.config import DraftConfig
-from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.models.dspark import K3DSparkModel, vocab_map_arrays
 
 
 def set_vocab_map(draft: K3DSparkModel, target_ids) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DraftConfig
@@ -290,3 +291,15 @@ def _block_forward(draft: K3DSparkModel, aux_BNA: jax.Array, x0_B: jax.Array, em
         prev_BT = jnp.concatenate([x0_B[:, None], drafts_BT[:, :-1]], axis=1)
         conf_BT = draft.confidence(h_BTD, prev_BT)[0]
     return base_BTV[0], drafts_BT[0], conf_BT
+
+
+def vocab_map_arrays(target_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t int64 [K], t2d bool [V]) for ascending kept target ids (the file form)."""
+    ids = np.asarray(target_ids, np.int64)
+    if ids.ndim != 1 or (ids.size > 1 and not np.all(np.diff(ids) > 0)):
+        raise ValueError("kept target ids must be a strictly increasing 1-D list")
+    if ids.size and (ids[0] < 0 or ids[-1] >= vocab_size):
+        raise ValueError(f"kept target ids must lie in 0..{vocab_size - 1}")
+    t2d = np.zeros(vocab_size, bool)
+    t2d[ids] = True
+    return ids - np.arange(ids.size, dtype=np.int64), t2d

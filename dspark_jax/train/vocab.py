@@ -5,7 +5,7 @@ The K most frequent answer tokens over the training answers (a regen cache, form
 `coverage` of the answer tokens, plus the ids given as `always` (e.g. eos / end-of-turn: a draft
 that cannot propose them cannot end an answer). Ties in frequency go to the smaller id, so the
 choice is deterministic. The kept ids are returned ascending, the order of the `d2t`/`t2d` map
-(`dspark_jax.checkpoint.draft_layout.vocab_map_arrays`). Coverage is reported on held-out answers
+(`dspark_jax.models.dspark.vocab_map_arrays`). Coverage is reported on held-out answers
 (rows split off by a hash of their id, so the split does not depend on file order).
 """
 
