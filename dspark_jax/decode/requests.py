@@ -11,6 +11,7 @@ import numpy as np
 
 from dspark_jax.errors import RequestError
 from dspark_jax.sources import source_of
+from dspark_jax.tokenizer import load_tokenizer
 
 # tokenizers per target: loading SmolLM2's tokenizer.json took ~130 ms, paid by every generate()
 _TOKENIZERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
@@ -25,7 +26,6 @@ def tokenizer_for(target):
     cached = _TOKENIZERS.get(target)
     if cached is not None and cached[0] == source:
         return cached[1]
-    from dspark_jax.tokenizer import load_tokenizer
     tok = load_tokenizer(source)
     _TOKENIZERS[target] = (source, tok)
     return tok

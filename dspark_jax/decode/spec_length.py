@@ -45,7 +45,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import jax
 import numpy as np
+
+from dspark_jax.hostinfo import describe_cpu
+from dspark_jax.kernels.dispatch import kernel_mode
+from dspark_jax.layers.paged_attention import key_chunk
+from dspark_jax.presets import cache_dir
 
 log = logging.getLogger("dspark_jax")
 
@@ -223,7 +229,6 @@ class StepTimes:
 def costs_for(engine) -> StepCosts:
     """The step-cost tables of `engine`'s programs on the host it runs on, as `$DSPARK_STEP_COSTS` says
     (default: `<dspark cache>/step_costs`, beside the compilation cache)."""
-    from dspark_jax.presets import cache_dir
 
     value = os.environ.get(ENV_COSTS)
     if value is not None and value.strip().lower() == "uniform":
@@ -237,11 +242,7 @@ def costs_for(engine) -> StepCosts:
 
 def cost_key(engine) -> dict:
     """What a step's measured time depends on besides the batch and L."""
-    import jax
 
-    from dspark_jax.hostinfo import describe_cpu
-    from dspark_jax.kernels.dispatch import kernel_mode
-    from dspark_jax.layers.paged_attention import key_chunk
 
     dev = jax.devices()[0]
     configs = repr(engine.target.cfg) + "|" + repr(engine.draft.cfg if engine.draft is not None else None)

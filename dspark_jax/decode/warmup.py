@@ -40,6 +40,7 @@ import numpy as np
 from dspark_jax.decode.buckets import batch_buckets, chunk_bucket
 from dspark_jax.decode.programs import memory_mappings
 from dspark_jax.decode.scheduler import Scheduler
+from dspark_jax.presets import cache_dir
 from dspark_jax.sampling import SamplingParams
 
 log = logging.getLogger("dspark_jax")
@@ -203,7 +204,6 @@ def compilation_cache_dir(flag: str | None = None) -> Path | None:
     """The persistent compilation cache directory: `flag`, else $DSPARK_COMPILATION_CACHE, else
     `<dspark cache>/xla` (`presets.cache_dir()`, ~/.cache/dspark_jax by default); "off" (or "")
     disables it (None)."""
-    from dspark_jax.presets import cache_dir
 
     value = flag if flag is not None else os.environ.get(ENV_CACHE)
     if value is None:

@@ -32,8 +32,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.cache import as_values
-from dspark_jax.kernels import block_sparse, kda_chunked, mla_paged, mla_prefill
-from dspark_jax.kernels import kda_reference
+from dspark_jax.kernels import block_sparse, kda_chunked, kda_reference, mla_paged, mla_prefill
 
 MODES = ("auto", "on", "off", "interpret")
 ENV_VAR = "DSPARK_KERNELS"

@@ -6,7 +6,6 @@ this package match them on GPU. Everything said to be fp32 is float64 for float6
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

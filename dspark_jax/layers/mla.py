@@ -19,11 +19,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DraftConfig, KimiConfig
+from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
 from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.norms import RMSNorm
-from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
 from dspark_jax.layers.rope import RotaryEmbedding, softmax_scale
 from dspark_jax.numerics import acc_dtype
+
 
 def split_kv_b(kv_b_weight: jnp.ndarray, num_heads: int, nope_dim: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     """kv_b_proj.weight [N*(H+V), C] -> (W_UK [N,H,C], W_UV [N,V,C])."""

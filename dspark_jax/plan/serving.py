@@ -57,6 +57,8 @@ from dspark_jax.cache import TargetCaches
 from dspark_jax.config import DraftConfig, KimiConfig, load_config
 from dspark_jax.decode import warmup
 from dspark_jax.decode.config import EngineConfig, SchedulerConfig
+from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.plan.server_programs import (
     PROGRAMS,
     MoEFlops,
@@ -313,8 +315,6 @@ def build_plan(cfg: KimiConfig, draft_cfg: DraftConfig | None, shape: ServingSha
     """Build the models abstractly on a `tensor = num_devices` mesh (TP = EP = all devices, as
     ATOM serves K3), compile the largest of the server's programs of each kind in `programs`, count
     its warm-up list, and collect the report."""
-    from dspark_jax.models.dspark import K3DSparkModel
-    from dspark_jax.models.kimi import KimiLinearModel
 
     unknown = set(programs) - set(PROGRAMS)
     if unknown:

@@ -32,6 +32,8 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.config import DraftConfig, KimiConfig
+from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.plan.serving import GIB, ProgramReport, compile_program
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train import teacher_shards as teacher_shards_lib
@@ -103,8 +105,6 @@ def build_train_plan(cfg: KimiConfig, draft_cfg: DraftConfig, shape: TrainShape,
                      progress: Callable[[str], None] | None = None) -> TrainPlan:
     """Compile one distillation step for `shape` on fake CPU devices (enough of them must exist:
     `plan.configure_cpu_devices`) and collect the report."""
-    from dspark_jax.models.dspark import K3DSparkModel
-    from dspark_jax.models.kimi import KimiLinearModel
 
     train_mesh.check_target(cfg, shape.tp)
     mesh = train_mesh.training_mesh(shape.tp, shape.dp, shape.fsdp, multi_process=False)

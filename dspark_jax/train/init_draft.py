@@ -20,9 +20,16 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dspark_jax import sharding as sharding_lib
+from dspark_jax.checkpoint.draft_io import load_draft
 from dspark_jax.config import DraftConfig
+from dspark_jax.models.draft_surgery import add_layers, remap_vocabulary, set_vocab_map
+from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.presets import resolve_model_path
+from dspark_jax.train.vocab import read_choice
+from dspark_jax.train.warm_start import warm_start
 
 
 class DraftInitError(ValueError):
@@ -61,11 +68,8 @@ def prepare(init: DraftInit, run_dir: str | Path, mesh, log: Callable[[str], Non
     model = None
     cfg = None
     if init.init_from:
-        from dspark_jax.checkpoint.draft_io import load_draft
-        from dspark_jax.presets import resolve_model_path
         model = load_draft(resolve_model_path(init.init_from), dtype=jnp.float32, mesh=mesh)
         if init.add_layers:
-            from dspark_jax.models.draft_surgery import add_layers
             n_before = model.cfg.num_hidden_layers
             model = add_layers(model, init.add_layers)
             log(f"--init_from's {n_before} decoder layers -> {model.cfg.num_hidden_layers}: the new ones copy "
@@ -80,7 +84,6 @@ def prepare(init: DraftInit, run_dir: str | Path, mesh, log: Callable[[str], Non
         cfg = DraftConfig.from_dict({**cfg.raw, "draft_vocab_size": len(kept_ids)},
                                     where=f"{init.draft_config or init.init_from} + {init.draft_vocab}")
         if model is not None:    # its weights, its Markov output side moved to the kept rows
-            from dspark_jax.models.draft_surgery import remap_vocabulary
             own = model.draft_token_ids()
             if own is not None:
                 new_ids = len(set(kept_ids) - set(jax.device_get(own).tolist()))
@@ -95,14 +98,10 @@ def finish(initial: InitialDraft, init: DraftInit, target, mesh, log: Callable[[
     need a model built here (the Trainer's own random init, same seed); otherwise `initial.model`."""
     if not (init.warm_start or (initial.kept_ids is not None and initial.model is None)):
         return initial.model
-    from flax import nnx
 
-    from dspark_jax.models.draft_surgery import set_vocab_map
-    from dspark_jax.models.dspark import K3DSparkModel
     model = sharding_lib.create_sharded(
         lambda: K3DSparkModel(initial.cfg, dtype=jnp.float32, rngs=nnx.Rngs(init.seed)), mesh)
     if init.warm_start:
-        from dspark_jax.train.warm_start import warm_start
         warm_start(model, target, log=log)
     if initial.kept_ids is not None:
         set_vocab_map(model, initial.kept_ids)
@@ -112,7 +111,6 @@ def finish(initial: InitialDraft, init: DraftInit, target, mesh, log: Callable[[
 def pinned_vocab(path: str, run_dir: Path, vocab_size: int) -> list[int]:
     """The kept ids of --draft_vocab, copied to <run_dir>/vocab.json on the first run. The map is not
     a trained parameter, so checkpoints do not hold it: a resumed run must get the same file."""
-    from dspark_jax.train.vocab import read_choice
     try:
         kept = read_choice(path)
     except (OSError, ValueError) as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 
 from dspark_jax.train.batches import collate
+from dspark_jax.train.monitor import EvalHistory
 from dspark_jax.train.trainer import Trainer
 
 
@@ -72,7 +73,6 @@ def run(trainer: Trainer, source, *, stop_after: int | None = None, stop_at: int
     offline = not trainer.online
     evals = None
     if evaluator is not None and cfg.eval_every > 0 and lead:
-        from dspark_jax.train.monitor import EvalHistory
         evals = EvalHistory(run_dir)
         done = {r["step"] for r in evals.truncate(start)}
         if start not in done:        # the curve's first point: the initial (or restored) weights

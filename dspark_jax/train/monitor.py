@@ -21,6 +21,12 @@ from typing import Any, Sequence
 
 from flax import nnx
 
+from dspark_jax.data.eval_sets import load_gsm8k
+from dspark_jax.decode.acceptance import measure_acceptance
+from dspark_jax.decode.config import EngineConfig
+from dspark_jax.decode.engine import Engine, cast_floating
+from dspark_jax.decode.requests import encode_prompt, tokenizer_for
+
 EVAL_FILE = "eval.jsonl"
 CURVE_FILE = "learning_curve.png"
 GSM8K_BENCHMARK_PROMPTS = 60      # benchmarks.acceptance --gsm8k 60 reads GSM8K test[0:60]
@@ -28,7 +34,6 @@ GSM8K_BENCHMARK_PROMPTS = 60      # benchmarks.acceptance --gsm8k 60 reads GSM8K
 
 def gsm8k_heldout_prompts(n: int, start: int = GSM8K_BENCHMARK_PROMPTS) -> list[list[dict]]:
     """GSM8K-test prompts start..start+n as chat conversations (one user turn each)."""
-    from dspark_jax.data.eval_sets import load_gsm8k
     if start < GSM8K_BENCHMARK_PROMPTS:
         raise ValueError(f"held-out prompts must start at >= {GSM8K_BENCHMARK_PROMPTS} (the acceptance "
                          f"benchmark's GSM8K prompts), got {start}")
@@ -62,7 +67,6 @@ class HeldOutEval:
                  num_speculative_tokens: int = 7, batch_size: int = 8):
         if not prompts:
             raise ValueError("HeldOutEval: no prompts")
-        from dspark_jax.decode.requests import encode_prompt, tokenizer_for
         ids_only = all(isinstance(p, (list, tuple)) and p and all(isinstance(x, int) for x in p) for p in prompts)
         try:      # loaded once: the chat template for text prompts, the tokenizer's end-of-turn ids
             tokenizer = tokenizer_for(target)
@@ -77,8 +81,6 @@ class HeldOutEval:
         self._engine = None
 
     def _engine_for(self, draft):
-        from dspark_jax.decode.config import EngineConfig
-        from dspark_jax.decode.engine import Engine, cast_floating
         if self._engine is None:
             self._engine = Engine(self.target, draft, EngineConfig(num_speculative_tokens=self.t))
         else:   # same structure, new weights: reuse the compiled programs
@@ -87,7 +89,6 @@ class HeldOutEval:
         return self._engine
 
     def __call__(self, draft) -> dict:
-        from dspark_jax.decode.acceptance import measure_acceptance
         t0 = time.time()
         engine = self._engine_for(draft)
         run = measure_acceptance(self.target, draft, self.prompts, max_new_tokens=self.max_new_tokens,

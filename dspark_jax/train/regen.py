@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import hashlib
 import json
 import os
@@ -40,6 +41,12 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.data.answer_cache import check_meta, meta_path, read_cache, repair_tail, stop_admitting
+from dspark_jax.decode.buckets import pow2
+from dspark_jax.decode.config import EngineConfig, SchedulerConfig, position_limit
+from dspark_jax.decode.generate import engine_for
+from dspark_jax.decode.requests import encode_prompt, eos_ids, output_text
+from dspark_jax.decode.scheduler import Request, Scheduler
+from dspark_jax.sampling import SamplingParams
 
 FORMAT = "dspark_jax.regen"
 VERSION = 1
@@ -137,7 +144,6 @@ def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part
     are written, unless `complete` (the cache answers its whole prompt file): then the rest goes in
     a last, short part, after which nothing more can be archived. Existing parts must hold the
     cache's first rows. Returns the rows archived."""
-    import gzip
 
     rows = read_cache(cache)
     out = Path(archive_dir)
@@ -170,7 +176,6 @@ def archive_cache(cache: str | os.PathLike, archive_dir: str | os.PathLike, part
 def restore_cache(archive_dir: str | os.PathLike, cache: str | os.PathLike) -> int:
     """Put the archived answers at the head of the cache (a fresh machine resumes where the
     archive ends); answers the cache already holds are kept. Returns the rows restored."""
-    import gzip
 
     parts = sorted(Path(archive_dir).glob("part-*.jsonl.gz"))
     if not parts:
@@ -201,7 +206,6 @@ def archived_head(records: Sequence[Mapping[str, Any]], archive_dir: str | os.Pa
     answers in the order they finished, about but not exactly the pool's, so after a stopped run
     this head is a little shorter than the archive; a snapshot of it is rebuilt from the
     committed parts alone."""
-    import gzip
 
     have: set[str] = set()
     for part in sorted(Path(archive_dir).glob("part-*.jsonl.gz")):
@@ -258,12 +262,6 @@ def _regenerate(target, tokenizer, records, out: Path, settings: RegenSettings, 
                 on_write, deadline: float | None, max_num_batched_tokens: int | None = None) -> dict:
     """Continuous batching: `batch_size` sequences run at once and a finished one is written and
     replaced straight away, so a long answer never holds up the rest of its batch."""
-    from dspark_jax.decode.buckets import pow2
-    from dspark_jax.decode.config import EngineConfig, SchedulerConfig, position_limit
-    from dspark_jax.decode.generate import engine_for
-    from dspark_jax.decode.requests import encode_prompt, eos_ids, output_text
-    from dspark_jax.decode.scheduler import Request, Scheduler
-    from dspark_jax.sampling import SamplingParams
 
     check_meta(out, settings)
     repair_tail(out)

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax.checkpoint.safetensors_io import DTYPE_NAMES, CheckpointError, SafetensorsFile, save_arrays
 from dspark_jax.train.fp8_rows import FP8, dequantize_rows, quantize_rows
@@ -403,8 +405,6 @@ def _place_batch(x: np.ndarray, mesh) -> jax.Array:
     """Rows over the mesh's data x fsdp devices where they divide the batch, else replicated."""
     if mesh is None:
         return jnp.asarray(x)
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
     split = mesh.shape["data"] * mesh.shape["fsdp"]
     spec = P(("data", "fsdp")) if split > 1 and x.shape[0] % split == 0 else P()
     return jax.device_put(x, NamedSharding(mesh, spec))

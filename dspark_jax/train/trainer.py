@@ -45,11 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import sharding as sharding_lib
+from dspark_jax.checkpoint.draft_io import save_torch_draft
 from dspark_jax.config import DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as loss_lib
@@ -313,14 +315,12 @@ class Trainer:
     @property
     def manager(self):
         if self._manager is None:
-            import orbax.checkpoint as ocp
             opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.keep_checkpoints, create=True)
             self._manager = ocp.CheckpointManager(Path(self.cfg.run_dir).absolute() / "checkpoints",
                                                   options=opts, item_names=("state", "meta"))
         return self._manager
 
     def save(self, meta: Mapping) -> None:
-        import orbax.checkpoint as ocp
         step = int(self.state.step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self.state._asdict()),
                                                         meta=ocp.args.JsonSave(dict(meta))))
@@ -328,7 +328,6 @@ class Trainer:
 
     def restore_latest(self) -> dict | None:
         """Restore the newest checkpoint (params, optimizer, step); returns its JSON meta."""
-        import orbax.checkpoint as ocp
         step = self.manager.latest_step()
         if step is None:
             return None
@@ -347,7 +346,6 @@ class Trainer:
                                                                   self.state_shardings.step))
 
     def export(self, dst: Path) -> None:
-        from dspark_jax.checkpoint.draft_io import save_torch_draft
         cfg = dict(self.draft_cfg.raw)
         cfg["torch_dtype"] = "bfloat16"
         save_torch_draft(self.draft(), cfg, dst)
