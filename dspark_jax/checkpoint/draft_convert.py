@@ -80,8 +80,8 @@ def _write_orbax_arrays(src: TorchDraft, arrays: OrbaxArrays, progress: Progress
     read while up to `IN_FLIGHT` earlier ones are being written."""
     plan = []                                 # (tensor, stored chunk rows, its bands)
     for t in src.tensors:
-        chunk_rows = chunk_rows(t.shape, DTYPES[t.dtype].itemsize)
-        plan.append((t, chunk_rows, row_bands(t.shape, DTYPES[t.dtype].itemsize, chunk_rows) or [None]))
+        rows_per_chunk = chunk_rows(t.shape, DTYPES[t.dtype].itemsize)
+        plan.append((t, rows_per_chunk, row_bands(t.shape, DTYPES[t.dtype].itemsize, rows_per_chunk) or [None]))
     # a buffer is refilled only once the write reading it is done (`settle` keeps `IN_FLIGHT`),
     # so tensorstore may write straight from it instead of copying it first
     ring = Ring([(t, rows) for t, _, bands in plan for rows in bands], IN_FLIGHT + 1)
@@ -97,9 +97,9 @@ def _write_orbax_arrays(src: TorchDraft, arrays: OrbaxArrays, progress: Progress
                                       f"({type(e).__name__}: {e})") from e
 
     try:
-        for t, chunk_rows, bands in plan:
+        for t, rows_per_chunk, bands in plan:
             try:
-                store = arrays.create(t.name, t.shape, chunk_rows)
+                store = arrays.create(t.name, t.shape, rows_per_chunk)
             except Exception as e:
                 raise CheckpointError(f"{arrays.root}: cannot create tensor {t.name!r} "
                                       f"({type(e).__name__}: {e})") from e
