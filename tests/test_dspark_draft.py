@@ -84,7 +84,7 @@ def test_trained_state_in_orbax_exports_torchspec_file(tmp_path):
 
 @pytest.mark.parametrize("save_bytes, load_bytes", [(256, 256), (256, 1000), (40, 256)])
 def test_tensors_bigger_than_a_chunk_stream_in_bands(tmp_path, monkeypatch, save_bytes, load_bytes):
-    """With a tiny band size (`_CHUNK_BYTES`) most tensors move in row bands: stored as several
+    """With a tiny band size (`CHUNK_BYTES`) most tensors move in row bands: stored as several
     Orbax chunks (the last one short; at 40 bytes a 64-byte row is a chunk of its own), read
     back in bands of whole chunks (also when the band size differs from the one they were
     written with), and never read whole; the round trip stays byte-identical, Orbax restores
@@ -104,9 +104,9 @@ def test_tensors_bigger_than_a_chunk_stream_in_bands(tmp_path, monkeypatch, save
 
     recording(draft_io.TorchDraft)
     recording(draft_io.OrbaxDraft)
-    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", save_bytes)
+    monkeypatch.setattr(draft_io, "CHUNK_BYTES", save_bytes)
     torch_to_orbax(src, orb, check=True)
-    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", load_bytes)
+    monkeypatch.setattr(draft_io, "CHUNK_BYTES", load_bytes)
     orbax_to_torch(orb, back, check=True)
     assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
@@ -142,7 +142,7 @@ def test_failure_mid_stream_waits_for_band_writes_and_leaves_nothing(tmp_path, m
     and the staging dir is removed only after those writes finish (nothing recreated)."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_torch_draft(src, dtype=torch.bfloat16)
-    monkeypatch.setattr(draft_io, "_CHUNK_BYTES", 256)
+    monkeypatch.setattr(draft_io, "CHUNK_BYTES", 256)
     calls, real = [], draft_io.TorchDraft.read
 
     def failing(self, name, rows=None, out=None):
