@@ -49,6 +49,7 @@ class ServerConfig:
     eos_ids: frozenset[int]
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allow_special_tokens: bool = False     # special-token text in completion prompts -> control tokens
 
 
 class TextStream:
@@ -74,6 +75,26 @@ class TextStream:
         delta = text[len(self.sent):]
         self.sent = text
         return delta
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value (JSON numbers are finite)")
+
+
+def parse_json(raw: bytes):
+    """A request body as JSON, or a 400 saying why not: invalid UTF-8 (decoded strictly here:
+    `json.loads` of bytes would let the bytes of a lone surrogate through), NaN / Infinity, an
+    integer of more digits than Python converts, nesting deeper than the parser recurses."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"malformed JSON body: not valid UTF-8 at byte {e.start} ({e.reason})") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
+    except ValueError as e:           # JSONDecodeError, NaN, an integer past Python's digit limit
+        raise ApiError(400, f"malformed JSON body: {e}") from None
 
 
 def _metrics(worker: EngineWorker) -> Metrics:
@@ -109,7 +130,8 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """The app over a started (or to-be-started by `on_startup`) worker."""
     metrics = _metrics(worker)
-    limits = Limits(cfg.model_names, cfg.max_model_len, cfg.num_speculative_tokens + 1, cfg.vocab_size)
+    limits = Limits(cfg.model_names, cfg.max_model_len, cfg.num_speculative_tokens + 1, cfg.vocab_size,
+                    cfg.allow_special_tokens)
 
     def finished(handle: Handle, update: Update) -> None:        # engine thread
         req = handle.request
@@ -136,6 +158,11 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, e: Exception):     # a bug, still answered in OpenAI's shape (and logged)
+        err = ApiError(500, f"internal server error: {type(e).__name__}", kind="server_error")
+        return JSONResponse(err.body(), status_code=500)
 
     known_paths = {"/health", "/v1/models", "/debug/mtp_stats", "/metrics", "/v1/chat/completions",
                    "/v1/completions"}
@@ -186,11 +213,7 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
         return b"".join(chunks)
 
     async def body_of(request: HttpRequest):
-        raw = await read_body(request)
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
+        return parse_json(await read_body(request))
 
     @app.get("/health")
     async def health():
