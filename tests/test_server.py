@@ -517,3 +517,171 @@ def test_special_token_text_in_requests_is_text(models):
     allowing = Limits(["tiny"], 256, T + 1, target.cfg.vocab_size, allow_special_tokens=True)
     assert {1, 2} <= set(parse_completion({"prompt": forged}, tok, allowing).prompt_ids)
     assert parse_completion({"prompt": [5, 2, 1, 7]}, tok, limits).prompt_ids == [5, 2, 1, 7]
+
+
+LIVE_LEN = 512             # max_model_len of the in-process engine tests
+
+
+@pytest.fixture(scope="module")
+def live_engine(models):
+    """One engine for the in-process worker tests: its compiled programs serve each test's batcher."""
+    target, draft = models
+    return Engine(target, draft, EngineConfig(num_speculative_tokens=T))
+
+
+def _live_app(models, engine, slots: int = 1, **cfg_kw):
+    """(app, worker) over a fresh batcher of `engine`; the caller starts and stops the worker."""
+    target, _ = models
+    tok = tokenizer_for(target)
+    worker = EngineWorker(Batcher(engine, slots, LIVE_LEN), max_queue=8)
+    return create_app(worker, tok, ServerConfig(["tiny"], LIVE_LEN, T, target.cfg.vocab_size,
+                                                frozenset(eos_ids(target, tok)), **cfg_kw)), worker
+
+
+async def _asgi_post(app, path: str, body: dict, gone: asyncio.Event | None = None) -> tuple[int, bytes]:
+    """POST through the raw ASGI interface, as uvicorn drives it: after the body, `receive` blocks
+    until the client goes (`gone` set). Returns (status, body)."""
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    out: list[dict] = []
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await (gone or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        out.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in out if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body")
+
+
+async def _until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def test_non_streamed_client_that_leaves_frees_its_slot_within_a_step(models, live_engine):
+    """A non-streamed request whose client disconnects is aborted at once: the engine runs at most
+    the step in flight for it, and the abort shows in /metrics."""
+    app, worker = _live_app(models, live_engine)
+    worker.start()
+    try:
+        async def scenario():
+            gone = asyncio.Event()
+            task = asyncio.create_task(_asgi_post(app, "/v1/completions", {
+                "prompt": "Once upon a time", "max_tokens": LIVE_LEN - 64, "temperature": 0}, gone))
+            await _until(lambda: worker.num_running == 1 and worker.num_steps >= 3)
+            gone.set()
+            status, _ = await asyncio.wait_for(task, 30)
+            answered = worker.num_steps
+            await _until(lambda: worker.num_running == 0)
+            return status, answered
+        status, answered = asyncio.run(scenario())
+        assert status == 499
+        assert worker.num_steps - answered <= 1                  # the step in flight, no more
+        (metrics,) = _asgi_requests(app, [dict(method="GET", url="/metrics")])
+        assert _metric(metrics.text, 'dspark_requests_finished_total{finish_reason="abort"}') == 1
+        assert _metric(metrics.text, "dspark_generation_tokens_total") < LIVE_LEN - 64
+    finally:
+        worker.stop()
+
+
+def test_failed_step_fails_its_rows_and_the_queue_survives(models, live_engine, monkeypatch):
+    """One slot: A runs, B waits. A step that raises fails A with an OpenAI 500 body; B, which never
+    ran, is served afterwards; the engine stays up."""
+    app, worker = _live_app(models, live_engine, slots=1)
+    batcher = worker.batcher
+    real_decode = batcher._decode
+
+    def failing_decode():
+        if batcher.waiting and not failing_decode.fired:      # the first step while B waits
+            failing_decode.fired = True
+            raise RuntimeError("injected step failure")
+        return real_decode()
+    failing_decode.fired = False
+    monkeypatch.setattr(batcher, "_decode", failing_decode)
+    worker.start()
+    try:
+        async def scenario():
+            a = asyncio.create_task(_asgi_post(app, "/v1/completions", {"prompt": "Once", "max_tokens": 300,
+                                                                        "temperature": 0}))
+            await _until(lambda: worker.num_running == 1)
+            b = await _asgi_post(app, "/v1/completions", {"prompt": "The quick", "max_tokens": 5, "temperature": 0})
+            return await a, b
+        (a_status, a_body), (b_status, b_body) = asyncio.run(scenario())
+        assert a_status == 500
+        err = json.loads(a_body)["error"]
+        assert err["type"] == "server_error" and "injected step failure" in err["message"]
+        assert b_status == 200 and json.loads(b_body)["usage"]["completion_tokens"] == 5
+        assert worker.is_alive() and worker.num_waiting == 0 and worker.num_running == 0
+    finally:
+        worker.stop()
+
+
+def test_request_timeout_answers_504_and_frees_the_slot(models, live_engine, monkeypatch):
+    """`request_timeout`: a request still generating at its deadline (each step slowed to 20 ms,
+    ~450 tokens to go) gets a 504 `request_timeout` body, streamed or not, and its slot is freed."""
+    app, worker = _live_app(models, live_engine, slots=1, request_timeout=1.0)
+    real_decode = worker.batcher._decode
+
+    def slow_decode():
+        time.sleep(0.02)
+        return real_decode()
+    monkeypatch.setattr(worker.batcher, "_decode", slow_decode)
+    worker.start()
+    try:
+        async def scenario():
+            body = {"prompt": "Once", "max_tokens": LIVE_LEN - 64, "temperature": 0}
+            plain = await _asgi_post(app, "/v1/completions", body)
+            streamed = await _asgi_post(app, "/v1/completions", dict(body, stream=True))
+            await _until(lambda: worker.num_running == 0, timeout=5)
+            return plain, streamed
+        (status, body), (s_status, s_body) = asyncio.run(scenario())
+        assert status == 504 and json.loads(body)["error"]["code"] == "request_timeout"
+        events = [line[6:] for line in s_body.decode().splitlines() if line.startswith("data: ")]
+        assert s_status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+    finally:
+        worker.stop()
+
+
+def test_engine_thread_death_fails_every_request_and_health_says_so(models, live_engine):
+    """An error on the engine thread outside the step (here: a metrics callback) fails the running
+    and the queued request with OpenAI 500 bodies, /health answers 503, a new request 503, and
+    `on_fatal` gets the error (the server exits non-zero on it)."""
+    app, worker = _live_app(models, live_engine, slots=1)
+    fatal = []
+    worker.on_fatal = fatal.append
+
+    def broken_callback(handle):
+        raise ValueError("injected callback failure")
+    worker.on_first_token = broken_callback
+    worker.start()
+    try:
+        async def scenario():
+            first = asyncio.create_task(_asgi_post(app, "/v1/completions", {"prompt": "Once", "max_tokens": 50,
+                                                                            "temperature": 0}))
+            queued = asyncio.create_task(_asgi_post(app, "/v1/completions", {"prompt": "Two", "max_tokens": 5,
+                                                                             "temperature": 0}))
+            results = await asyncio.wait_for(asyncio.gather(first, queued), 60)
+            later = await _asgi_post(app, "/v1/completions", {"prompt": "Three", "max_tokens": 5})
+            return results, later
+        results, later = asyncio.run(scenario())
+        for status, body in results:
+            err = json.loads(body)["error"]
+            assert status == 500 and err["type"] == "server_error" and "injected callback failure" in err["message"]
+        assert later[0] == 503 and json.loads(later[1])["error"]["code"] == "engine_stopped"
+        (health,) = _asgi_requests(app, [dict(method="GET", url="/health")])
+        assert health.status_code == 503 and "injected callback failure" in health.json()["error"]
+        assert len(fatal) == 1 and isinstance(fatal[0], ValueError)
+    finally:
+        worker.stop()
