@@ -685,3 +685,99 @@ def test_engine_thread_death_fails_every_request_and_health_says_so(models, live
         assert len(fatal) == 1 and isinstance(fatal[0], ValueError)
     finally:
         worker.stop()
+
+
+class _CountingTokenizer:
+    """Delegates to a tokenizer, counting the tokens it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_text_stream_decodes_incrementally(models):
+    """A stream's deltas concatenate to the non-streamed text (multi-byte characters split across
+    tokens, a stop string), while decoding O(n) tokens in all, not O(n^2)."""
+    from dspark_jax.generate import output_text
+    target, _ = models
+    tok = tokenizer_for(target)
+    text = "日本語だけで答えてください 😊 naïve façade, " * 20 + "the END of it all"
+    ids = tok.encode_text(text)
+    for stops in ([], ["END"]):
+        counting = _CountingTokenizer(tok)
+        stream = TextStream(counting, frozenset({2}), stops)
+        pieces = [stream.feed([i], final=False) for i in ids] + [stream.feed([2], final=True)]
+        assert "".join(pieces) == output_text(ids, tok, frozenset(), stops)
+        assert all("\ufffd" not in p for p in pieces)
+        assert counting.decoded <= 8 * len(ids), (counting.decoded, len(ids))    # quadratic: ~n^2 / 2
+    assert "".join(pieces).endswith("the ") and len(ids) > 300
+
+
+def test_tokenization_runs_off_the_event_loop(models):
+    """While one request's chat template and tokenizing run (a slow tokenizer: 1 s), /health
+    answers at once: parsing runs on a worker thread, not on the event loop."""
+    target, draft = models
+    tok = tokenizer_for(target)
+
+    class SlowTokenizer:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_chat(self, messages):
+            time.sleep(1.0)
+            return tok.encode_chat(messages)
+
+    worker = EngineWorker(Batcher(Engine(target, draft, EngineConfig(num_speculative_tokens=T)), 1, 256))
+    app = create_app(worker, SlowTokenizer(), ServerConfig(["tiny"], 256, T, target.cfg.vocab_size,
+                                                           frozenset(eos_ids(target, tok))))
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            slow = asyncio.create_task(c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+            t0 = time.monotonic()
+            await asyncio.sleep(0.1)       # the slow request starts (on the loop, it would hold it 1 s)
+            health = await c.get("/health")
+            waited = time.monotonic() - t0
+            slow.cancel()
+            return health, waited
+    health, waited = asyncio.run(scenario())
+    assert health.status_code == 503 and waited < 0.6, waited      # 503: this worker never started
+
+
+def test_host_origin_cors_and_metrics_auth(models):
+    """Host outside --allowed_hosts: 400; an Origin outside --allowed_origins: 403 before the
+    request runs; an allowed origin gets CORS headers and its preflight; the key guards /metrics
+    and /debug/mtp_stats (unless metrics_auth is off); /docs and /openapi.json do not exist."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    app = _in_process_app(models, api_key=API_KEY, allowed_hosts=("localhost", "127.0.0.1", "::1"),
+                          allowed_origins=("http://ok.example",))
+    r = _asgi_requests(app, [
+        dict(method="GET", url="http://evil.example/health"),
+        dict(method="GET", url="http://127.0.0.1:8000/health"),
+        dict(method="GET", url="http://[::1]:8000/health"),
+        dict(method="POST", url="http://localhost/v1/completions", headers={"Origin": "http://evil.example",
+                                                                          "Content-Type": "text/plain"},
+             content=b'{"prompt": "hi"}'),
+        dict(method="GET", url="http://localhost/v1/models", headers={"Origin": "http://ok.example", **auth}),
+        dict(method="OPTIONS", url="http://localhost/v1/completions", headers={
+            "Origin": "http://ok.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"}),
+        dict(method="GET", url="http://localhost/metrics"),
+        dict(method="GET", url="http://localhost/debug/mtp_stats"),
+        dict(method="GET", url="http://localhost/metrics", headers=auth),
+        dict(method="GET", url="http://localhost/docs"),
+        dict(method="GET", url="http://localhost/openapi.json")])
+    assert [x.status_code for x in r] == [400, 503, 503, 403, 200, 204, 401, 401, 200, 404, 404]
+    assert r[0].json()["error"]["code"] == "invalid_host" and r[3].json()["error"]["code"] == "origin_not_allowed"
+    assert r[4].headers["access-control-allow-origin"] == "http://ok.example"
+    assert "access-control-allow-origin" not in r[1].headers
+    assert "POST" in r[5].headers["access-control-allow-methods"]
+    # refused requests are counted too
+    assert 'path="/v1/completions",status="403"} 1' in r[8].text and 'path="/health",status="400"} 1' in r[8].text
+    open_metrics = _in_process_app(models, api_key=API_KEY, metrics_auth=False)
+    assert [x.status_code for x in _asgi_requests(open_metrics, [dict(method="GET", url="/metrics"),
+                                                                 dict(method="GET", url="/v1/models")])] == [200, 401]
