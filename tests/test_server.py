@@ -39,6 +39,7 @@ from tests.serve_utils import write_tiny_draft, write_tiny_target
 
 T = 4                      # speculative tokens of the served pair
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}   # the key guards /metrics and /debug/mtp_stats too
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BYTES = 65536  # the served --max_request_bytes (small, so a test body over it stays small)
 
@@ -69,15 +70,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(pair_dirs, tmp_path_factory):
-    """(base url, log path) of a running server; stopped (SIGTERM) at the end of the module."""
+    """(base url, log path) of a running server, its key from $DSPARK_API_KEY. At the end of the
+    module it is stopped with SIGTERM during 8 streams, which finish first; it exits 0."""
     target_dir, draft_dir = pair_dirs
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server_log") / "server.log"
-    env = dict(os.environ, XLA_FLAGS="")          # one device: the reference runs on one device too
+    env = dict(os.environ, XLA_FLAGS="", DSPARK_API_KEY=API_KEY)   # one device: the reference runs on one too
     cmd = [sys.executable, "-m", "serve.server", "--model", str(target_dir), "--draft_model", str(draft_dir),
            "--dtype", "checkpoint",
            "--num_speculative_tokens", str(T), "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
-           "--port", str(port), "--api_key", API_KEY, "--served_model_name", "tiny", "--stats_interval", "1",
+           "--port", str(port), "--served_model_name", "tiny", "--stats_interval", "1", "--shutdown_timeout", "60",
            "--max_request_bytes", str(MAX_REQUEST_BYTES), "--warmup_max_programs", "16",
            # chat prompts (system prompt included) go in in two or three chunks; the replies equal generate()'s
            "--max_num_batched_tokens", "32",
@@ -98,8 +100,29 @@ def server(pair_dirs, tmp_path_factory):
             raise RuntimeError(f"server did not start:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.5)
     yield url, log_path
-    proc.terminate()
-    proc.wait(30)
+    _sigterm_drains_streams(proc, url)
+
+
+def _sigterm_drains_streams(proc: subprocess.Popen, url: str) -> None:
+    def stream(i: int) -> list[str]:
+        body = {"prompt": TEXT_PROMPTS[i], "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream, i) for i in range(8)]
+        deadline = time.monotonic() + 60
+        while _metric(httpx.get(url + "/metrics", headers=AUTH).text, "dspark_num_requests_running") < 8:
+            assert time.monotonic() < deadline and not any(f.done() for f in futures)
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.terminate()
+        streams = [f.result() for f in futures]
+    assert proc.wait(90) == 0
+    assert time.monotonic() - t0 < 90
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in (
+            "stop", "length"), lines[-3:]
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -174,7 +197,7 @@ def test_openai_client_equals_generate(server, models):
 
 
 def _stats_counters(url):
-    s = httpx.get(url + "/debug/mtp_stats").json()
+    s = httpx.get(url + "/debug/mtp_stats", headers=AUTH).json()
     return s["total_draft_tokens"], s["total_accepted_tokens"], s["num_verify_steps"], s["distribution"]
 
 
@@ -217,12 +240,12 @@ def test_load_32_concurrent_clients(server, models):
     assert after[1] - before[1] == total[1]
     assert after[2] - before[2] == total[2]
     assert {k: after[3][k] - before[3][k] for k in after[3]} == total[3]
-    metrics = httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics", headers=AUTH).text
     assert re.search(r'^dspark_http_requests_total\{path="/v1/completions",status="200"\} \d+', metrics, re.M)
     assert "dspark_num_requests_running 0" in metrics
     # the speculation length chosen per step (every length costs the same under the tests'
     # $DSPARK_STEP_COSTS=uniform: always T), in /debug/mtp_stats and /metrics alike
-    s = httpx.get(url + "/debug/mtp_stats").json()
+    s = httpx.get(url + "/debug/mtp_stats", headers=AUTH).json()
     assert s["verify_length_counts"][str(T)] == s["num_verify_steps"] > 0
     assert sum(s["verify_length_counts"].values()) == s["num_verify_steps"] + s["num_plain_steps"]
     m = re.search(rf'^dspark_spec_decode_length_steps_total\{{length="{T}"\}} (\d+)', metrics, re.M)
@@ -286,7 +309,7 @@ def test_client_disconnect_frees_the_slot(server):
     url, _ = server
     auth = {"Authorization": f"Bearer {API_KEY}"}
     aborted = 'dspark_requests_finished_total{finish_reason="abort"}'
-    before = _metric(httpx.get(url + "/metrics").text, aborted)
+    before = _metric(httpx.get(url + "/metrics", headers=AUTH).text, aborted)
     with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
@@ -296,7 +319,7 @@ def test_client_disconnect_frees_the_slot(server):
                     break                          # leave mid-stream: ~1000 tokens still to go
     deadline = time.monotonic() + 30
     while True:
-        metrics = httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics", headers=AUTH).text
         if _metric(metrics, "dspark_num_requests_running") == 0 and _metric(metrics, aborted) == before + 1:
             break
         assert time.monotonic() < deadline, metrics

@@ -59,6 +59,7 @@ class ServerConfig:
     metrics_auth: bool = True              # the API key also guards /metrics and /debug/mtp_stats
     allowed_hosts: tuple[str, ...] | None = None   # Host header names accepted (None: any)
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS); "*": any
+    body_timeout: float = 60.0             # seconds to receive a request body; past it: 408
 
 
 class TextStream:
@@ -234,11 +235,16 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
             if size > limit:
                 raise too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large()
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(cfg.body_timeout):    # a client trickling its body holds no handler for ever
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large()
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout} s",
+                           code="body_timeout") from None
         return b"".join(chunks)
 
     @app.get("/health")
@@ -375,7 +381,7 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
             while True:
                 try:
                     update = await asyncio.wait_for(handle.updates.get(), time_left(handle))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield f"data: {json.dumps(timed_out().body())}\n\n"     # `done` stays False: aborted below
                     break
                 if update.error is not None:

@@ -145,7 +145,7 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             self._run()
-        except BaseException as e:             # noqa: BLE001 - the thread's last act: nobody may wait forever
+        except BaseException as e:             # the thread's last act: nobody may wait for ever
             log.exception("engine loop failed; failing every request and stopping the engine")
             self._die(e)
             return
