@@ -677,17 +677,19 @@ def test_request_timeout_answers_504_and_frees_the_slot(models, live_engine, mon
         worker.stop()
 
 
-def test_engine_thread_death_fails_every_request_and_health_says_so(models, live_engine):
-    """An error on the engine thread outside the step (here: a metrics callback) fails the running
-    and the queued request with OpenAI 500 bodies, /health answers 503, a new request 503, and
-    `on_fatal` gets the error (the server exits non-zero on it)."""
+@pytest.mark.parametrize("callback", ["on_first_token", "on_finish"])
+def test_engine_thread_death_fails_every_request_and_health_says_so(models, live_engine, callback):
+    """An error on the engine thread outside the step (here: a metrics callback, at a request's
+    first token or at its end) fails the running and the queued request with OpenAI 500 bodies,
+    /health answers 503, a new request 503, and `on_fatal` gets the error (the server exits
+    non-zero on it)."""
     app, worker = _live_app(models, live_engine, slots=1)
     fatal = []
     worker.on_fatal = fatal.append
 
-    def broken_callback(handle):
+    def broken_callback(*_):
         raise ValueError("injected callback failure")
-    worker.on_first_token = broken_callback
+    setattr(worker, callback, broken_callback)
     worker.start()
     try:
         async def scenario():

@@ -241,9 +241,9 @@ class EngineWorker:
         handle.sent = len(req.tokens)
         if req.finish_reason is not None:
             update.finish_reason, update.stats = req.finish_reason, req.stats.to_dict()
-            del self._handles[req]
             if self.on_finish is not None:
                 self.on_finish(handle, update)
+            del self._handles[req]             # after the callback: if it raises, the thread's end answers it
         self._send(handle, update)
 
     def _fail_stepped(self, message: str) -> None:
@@ -254,10 +254,10 @@ class EngineWorker:
                 continue
             if handle.sent == 0:               # admitted by the failed step: no longer waiting
                 self._release_pending()
-            del self._handles[req]
             update = Update([], error=message)
             if self.on_finish is not None:
                 self.on_finish(handle, update)
+            del self._handles[req]
             self._send(handle, update)
 
     @staticmethod
