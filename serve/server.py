@@ -45,6 +45,9 @@ flags.DEFINE_bool("allow_special_tokens", False, "Special-token text in a /v1/co
 flags.DEFINE_float("request_timeout", None, "Seconds a request may take from arrival to its last token "
                    "(queueing included); past it: 504 and its slot is freed. Default: no limit.", lower_bound=0.001)
 flags.DEFINE_float("body_timeout", 60.0, "Seconds to receive a request body; past it: 408.", lower_bound=0.001)
+flags.DEFINE_float("step_hang_timeout", 600.0, "/health answers 503 while one engine step has run longer than this "
+                   "many seconds (a hung device or collective), for a supervisor to restart the server.",
+                   lower_bound=0.001)
 flags.DEFINE_integer("timeout_keep_alive", 5, "Seconds an idle keep-alive connection stays open.", lower_bound=1)
 flags.DEFINE_integer("shutdown_timeout", 30, "On SIGTERM, seconds running requests may take to finish before "
                      "they are cut.", lower_bound=0)
@@ -125,7 +128,8 @@ def main(argv) -> None:
                        max_request_bytes=FLAGS.max_request_bytes, allow_special_tokens=FLAGS.allow_special_tokens,
                        request_timeout=FLAGS.request_timeout, metrics_auth=FLAGS.metrics_auth,
                        allowed_hosts=allowed_hosts(FLAGS.host, FLAGS.allowed_hosts),
-                       allowed_origins=tuple(FLAGS.allowed_origins), body_timeout=FLAGS.body_timeout)
+                       allowed_origins=tuple(FLAGS.allowed_origins), body_timeout=FLAGS.body_timeout,
+                       step_hang_timeout=FLAGS.step_hang_timeout)
     application = create_app(worker, pair.tokenizer, cfg, on_startup=worker.start, on_shutdown=worker.stop)
     log.info("serving %s on http://%s:%d (max_num_seqs %d, max_model_len %d)", names[0], FLAGS.host, FLAGS.port,
              config.max_num_seqs, max_model_len)

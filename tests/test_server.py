@@ -547,9 +547,14 @@ LIVE_LEN = 512             # max_model_len of the in-process engine tests
 
 @pytest.fixture(scope="module")
 def live_engine(models):
-    """One engine for the in-process worker tests: its compiled programs serve each test's batcher."""
+    """One engine for the in-process worker tests: its compiled programs serve each test's batcher.
+    One request through a batcher of their shape compiles them here, so no test's timing
+    includes a compilation."""
+    from dspark_jax.batcher import Request
     target, draft = models
-    return Engine(target, draft, EngineConfig(num_speculative_tokens=T))
+    engine = Engine(target, draft, EngineConfig(num_speculative_tokens=T))
+    Batcher(engine, 1, LIVE_LEN).run([Request(tokenizer_for(target).encode("Once"), 2 * (T + 1))])
+    return engine
 
 
 def _live_app(models, engine, slots: int = 1, **cfg_kw):
@@ -652,23 +657,32 @@ def test_failed_step_fails_its_rows_and_the_queue_survives(models, live_engine, 
 
 def test_request_timeout_answers_504_and_frees_the_slot(models, live_engine, monkeypatch):
     """`request_timeout`: a request still generating at its deadline (each step slowed to 20 ms,
-    ~450 tokens to go) gets a 504 `request_timeout` body, streamed or not, and its slot is freed."""
-    app, worker = _live_app(models, live_engine, slots=1, request_timeout=1.0)
+    ~450 tokens to go) gets a 504 `request_timeout` body, streamed or not, and its slot is freed.
+    A step that hangs (here: its first, 1 s) turns /health to 503 past `step_hang_timeout`."""
+    app, worker = _live_app(models, live_engine, slots=1, request_timeout=1.5, step_hang_timeout=0.3)
     real_decode = worker.batcher._decode
+    hangs = [1.0]
 
     def slow_decode():
-        time.sleep(0.02)
+        time.sleep(hangs.pop() if hangs else 0.02)
         return real_decode()
     monkeypatch.setattr(worker.batcher, "_decode", slow_decode)
     worker.start()
     try:
         async def scenario():
             body = {"prompt": "Once", "max_tokens": LIVE_LEN - 64, "temperature": 0}
-            plain = await _asgi_post(app, "/v1/completions", body)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                task = asyncio.create_task(_asgi_post(app, "/v1/completions", body))
+                await _until(lambda: worker.step_running_for() > 0.5)
+                hung = await c.get("/health")
+                plain = await task
+                healthy = await c.get("/health")
             streamed = await _asgi_post(app, "/v1/completions", dict(body, stream=True))
             await _until(lambda: worker.num_running == 0, timeout=5)
-            return plain, streamed
-        (status, body), (s_status, s_body) = asyncio.run(scenario())
+            return plain, streamed, hung, healthy
+        (status, body), (s_status, s_body), hung, healthy = asyncio.run(scenario())
+        assert hung.status_code == 503 and hung.json()["status"] == "engine step hung"
+        assert healthy.status_code == 200
         assert status == 504 and json.loads(body)["error"]["code"] == "request_timeout"
         events = [line[6:] for line in s_body.decode().splitlines() if line.startswith("data: ")]
         assert s_status == 200 and events[-1] == "[DONE]"

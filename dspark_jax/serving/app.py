@@ -60,6 +60,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None   # Host header names accepted (None: any)
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS); "*": any
     body_timeout: float = 60.0             # seconds to receive a request body; past it: 408
+    step_hang_timeout: float | None = 600.0  # /health answers 503 while one step has run longer
 
 
 class TextStream:
@@ -252,6 +253,10 @@ def create_app(worker: EngineWorker, tokenizer, cfg: ServerConfig, *, on_startup
         if not worker.is_alive():
             error = None if worker.error is None else f"{type(worker.error).__name__}: {worker.error}"
             return JSONResponse({"status": "engine stopped", "error": error}, status_code=503)
+        running = worker.step_running_for()
+        if cfg.step_hang_timeout is not None and running > cfg.step_hang_timeout:
+            return JSONResponse({"status": "engine step hung", "error": f"one engine step has run {running:.0f} s "
+                                 f"(more than --step_hang_timeout={cfg.step_hang_timeout} s)"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

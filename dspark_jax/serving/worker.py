@@ -92,6 +92,7 @@ class EngineWorker:
         self._stats = batcher.stats.to_dict()  # snapshot, replaced after each step
         self._num_steps = 0
         self._stopped = False                  # the thread has ended or is ending (under _lock)
+        self._step_started: float | None = None   # monotonic start of the step running now
         self.error: BaseException | None = None
 
     # -- called from HTTP handlers ------------------------------------------------------------
@@ -127,6 +128,11 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return self._pending
 
+    def step_running_for(self) -> float:
+        """Seconds the step now running has taken so far (0 between steps): a watchdog's reading."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
@@ -156,12 +162,15 @@ class EngineWorker:
         while not self._stop.is_set():
             self._drain(block=not self.batcher.has_work())
             if self.batcher.has_work():
+                self._step_started = time.monotonic()
                 try:
                     touched = self.batcher.step()
                 except Exception as e:  # a failed step must not kill the server
                     log.exception("engine step failed; failing the requests it ran")
                     self._fail_stepped(f"engine error: {_describe(e)}")
                     continue
+                finally:
+                    self._step_started = None
                 self._num_steps = self.batcher.num_steps
                 self._stats = self.batcher.stats.to_dict()
                 for req in touched:
