@@ -820,3 +820,19 @@ def test_host_origin_cors_and_metrics_auth(models):
     open_metrics = _in_process_app(models, api_key=API_KEY, metrics_auth=False)
     assert [x.status_code for x in _asgi_requests(open_metrics, [dict(method="GET", url="/metrics"),
                                                                  dict(method="GET", url="/v1/models")])] == [200, 401]
+
+
+def test_body_timeout_answers_408(models):
+    """A body that stops arriving (one chunk, then nothing for 1 s) is answered 408 at
+    `body_timeout`, not waited for."""
+    app = _in_process_app(models, body_timeout=0.2)
+
+    async def trickle():
+        yield b'{"prompt": '
+        await asyncio.sleep(1.0)
+        yield b'"hi"}'
+
+    t0 = time.monotonic()
+    (r,) = _asgi_requests(app, [dict(method="POST", url="/v1/completions", content=trickle())])
+    assert r.status_code == 408 and r.json()["error"]["code"] == "body_timeout"
+    assert time.monotonic() - t0 < 1.0
