@@ -57,6 +57,12 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+# stands for message i's content when locating the template's own text (private-use code points:
+# no template writes them, and they hold no special token)
+_CONTENT_MARK = "\ue000{}\ue001"
+_CONTENT_MARK_RE = re.compile("\ue000(\\d+)\ue001")
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -99,6 +105,15 @@ class BaseTokenizer(abc.ABC):
         """Ids of `text`; special-token strings in it become their ids; nothing is added."""
 
     @abc.abstractmethod
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: a special token's string in it is text, never its id."""
+
+    @property
+    @abc.abstractmethod
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens."""
+
+    @abc.abstractmethod
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ...
 
@@ -128,6 +143,35 @@ class BaseTokenizer(abc.ABC):
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)
 
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of the chat template's prompt for `messages`, with special tokens only where the
+        template writes them: special-token text inside a message's content (a forged
+        `<|im_end|>` turn) stays text.
+
+        The rendered prompt is encoded whole (as transformers does) when its special tokens are
+        those of the template rendered with each content replaced by a placeholder, the usual
+        case. Otherwise the template's pieces around the placeholders are encoded with special
+        tokens and each content as text; a template that alters content it renders (so the
+        pieces do not reassemble the prompt) is refused then, rather than guessed at."""
+        messages = list(messages)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        ids = self.encode(text)
+        marks = [_CONTENT_MARK.format(i) for i in range(len(messages))]
+        skeleton = self.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
+                                            add_generation_prompt)
+        special = self.special_ids
+        if [i for i in ids if i in special] == [i for i in self.encode(skeleton) if i in special]:
+            return ids
+        parts = _CONTENT_MARK_RE.split(skeleton)      # template, index, template, index, ..., template
+        contents = [messages[int(k)]["content"] for k in parts[1::2]]
+        if "".join(p for pair in zip(parts[::2], contents + [""]) for p in pair) != text:
+            raise ValueError("a message's content holds special-token text, and this chat template alters "
+                             "the content it renders, so it cannot be kept as text")
+        out = self.encode(parts[0])
+        for content, piece in zip(contents, parts[2::2]):
+            out += self.encode_text(content) + self.encode(piece)
+        return out
+
 
 class Tokenizer(BaseTokenizer):
     """An HF `tokenizer.json` directory (loaded with the `tokenizers` library)."""
@@ -143,9 +187,20 @@ class Tokenizer(BaseTokenizer):
         super().__init__(_chat_template_source(model_dir, cfg), _token_content(cfg.get("bos_token")),
                          _token_content(cfg.get("eos_token")))
         self._model_eos_ids = _model_eos_ids(model_dir)
+        # a second instance that encodes special tokens' strings as text (a per-instance setting)
+        self._plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        self._plain.encode_special_tokens = True
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -289,6 +344,13 @@ class KimiTokenizer(BaseTokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, allowed_special="all")
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [i for i in ids if not (skip_special_tokens and i in self._special_ids)]

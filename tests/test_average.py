@@ -18,10 +18,9 @@ from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.average import average_torch_drafts
 from dspark_jax.checkpoint.draft_io import load_draft, open_torch_draft, save_torch_draft
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
+from dspark_jax.train import batches, loop
 from dspark_jax.train import loss as L
 from dspark_jax.train import trainer as T
-from dspark_jax.train import loop
-from dspark_jax.train import batches
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]

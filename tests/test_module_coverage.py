@@ -68,6 +68,7 @@ UNTESTED_BY_NAME = {
     "sampling.py": "sampled verification: tests/test_generate.py, tests/test_compute_dtype.py",
     "serving/app.py": "the HTTP app through the OpenAI client: tests/test_server.py",
     "serving/card.py": "the acceptance card (serve.bench): tests/test_bench.py",
+    "serving/guard.py": "Host, Origin and CORS checks in front of the app: tests/test_server.py",
     "serving/metrics.py": "the /metrics endpoint: tests/test_server.py",
     "serving/pair.py": "the entry points' model pair: tests/test_server.py, tests/test_api.py, "
                        "tests/test_compute_dtype.py",

@@ -26,8 +26,8 @@ from dspark_jax.decode.scheduler import Scheduler
 from dspark_jax.decode.spec_length import StepCosts
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
-from dspark_jax.plan import serving as plan_lib
 from dspark_jax.plan import server_programs as plan_programs
+from dspark_jax.plan import serving as plan_lib
 from tests.kimi_configs import tiny_k3_dict
 
 REPO = Path(__file__).resolve().parents[1]

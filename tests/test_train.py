@@ -24,11 +24,9 @@ from dspark_jax import sharding
 from dspark_jax.checkpoint.draft_io import load_draft, save_torch_draft
 from dspark_jax.data import answer_cache
 from dspark_jax.kernels.dispatch import use_kernels
+from dspark_jax.train import batches, loop, monitor, regen, teacher, teacher_shards, torchspec
 from dspark_jax.train import loss as L
-from dspark_jax.train import monitor, regen, teacher, teacher_shards, torchspec
 from dspark_jax.train import trainer as T
-from dspark_jax.train import loop
-from dspark_jax.train import batches
 from dspark_jax.train.regen import Sample
 from tests.gen_utils import answer_samples, tiny_draft, tiny_llama
 from tests.train_utils import CharTokenizer as _CharTokenizer

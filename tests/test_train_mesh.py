@@ -26,10 +26,9 @@ from dspark_jax.config import DraftConfig, KimiConfig, LlamaConfig
 from dspark_jax.data import answer_cache
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
+from dspark_jax.train import batches, regen, teacher_shards
 from dspark_jax.train import loss as L
-from dspark_jax.train import regen, teacher_shards
 from dspark_jax.train import trainer as T
-from dspark_jax.train import batches
 from dspark_jax.train.regen import Sample
 from dspark_jax.train.train_mesh import TEACHER_RULES, MeshError, check_target, training_mesh
 from tests.float64 import assert_close, x64

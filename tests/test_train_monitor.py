@@ -19,11 +19,9 @@ from dspark_jax.checkpoint.safetensors_io import save_arrays
 from dspark_jax.config import DraftConfig
 from dspark_jax.decode.generate import generate
 from dspark_jax.models.dspark import K3DSparkModel
+from dspark_jax.train import batches, loop, monitor
 from dspark_jax.train import loss as L
-from dspark_jax.train import monitor
 from dspark_jax.train import trainer as T
-from dspark_jax.train import loop
-from dspark_jax.train import batches
 from dspark_jax.train.warm_start import WarmStartError, plan, warm_start
 from tests.gen_utils import answer_samples, randomize, tiny_draft, tiny_llama
 from tests.train_utils import TINY_LLAMA

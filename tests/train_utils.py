@@ -47,5 +47,8 @@ class CharTokenizer:
     def encode(self, text):
         return [ord(c) % 90 for c in text]
 
+    def encode_chat(self, messages, add_generation_prompt=True):      # no special tokens to protect
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
     def decode(self, ids):
         return "".join(chr(32 + i) for i in ids)

@@ -67,7 +67,9 @@ def output_text(tokens: Sequence[int], tokenizer, eos: frozenset[int] | set[int]
 
 def encode_prompt(prompt, tokenizer, chat: bool, where: str = "prompt") -> list[int]:
     """Token ids of a prompt: token ids as given, a string (wrapped as one user turn and rendered
-    with the chat template when `chat`) or a list of `{"role", "content"}` messages."""
+    with the chat template when `chat`) or a list of `{"role", "content"}` messages. Message
+    content is text (`encode_chat`: special tokens only from the template); a string without
+    `chat` is encoded as given, special-token text included."""
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, (int, np.integer)) for x in prompt):
         return [int(x) for x in prompt]
     if tokenizer is None:
@@ -81,6 +83,5 @@ def encode_prompt(prompt, tokenizer, chat: bool, where: str = "prompt") -> list[
         for j, m in enumerate(prompt):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError(f"{where}[{j}]: a message needs string 'role' and 'content'")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
-        return tokenizer.encode(text)
+        return tokenizer.encode_chat(list(prompt))     # content is text: no forged control tokens
     raise RequestError(f"{where}: expected a string, a list of messages or a list of token ids")

@@ -5,6 +5,11 @@ asyncio queue of their event loop; `abort` (client gone) frees the slot. The thr
 inbox while idle, otherwise it drains the inbox and runs one `Scheduler.step()` per iteration,
 pushing each request's new tokens back. Every `stats_interval` seconds with new steps it logs an
 `[MTP Stats]` line with the cumulative acceptance statistics.
+
+Faults: a step that raises fails the requests it ran (the scheduler aborts them and rebuilds its
+caches); the waiting ones stay queued. Anything else that raises on the thread ends the engine:
+every request it holds, queued or running, gets an error `Update`, later `submit`s raise
+`EngineStopped`, and `on_fatal` runs (the server then exits non-zero: its state is not trusted).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ log = logging.getLogger("dspark_jax.serving")
 
 class QueueFull(RuntimeError):
     """More requests are waiting for a slot than the server accepts (HTTP 503)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has ended (stopped, or failed: `EngineWorker.error`); HTTP 503."""
 
 
 @dataclass
@@ -64,15 +73,16 @@ def format_mtp_stats(stats: dict, extra: str = "") -> str:
 class EngineWorker:
     """Runs `scheduler` on a background thread. `max_queue`: requests allowed to wait for a slot
     (beyond it `submit` raises QueueFull). `on_finish(handle, update)` runs on the engine thread
-    when a request ends (metrics)."""
+    when a request ends (metrics); `on_fatal(error)` once if the thread dies of an error."""
 
     def __init__(self, scheduler: Scheduler, *, max_queue: int = 256, stats_interval: float = 10.0,
                  on_finish: Callable[[Handle, Update], None] | None = None,
-                 on_first_token: Callable[[Handle], None] | None = None):
+                 on_first_token: Callable[[Handle], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.scheduler = scheduler
         self.max_queue = max_queue
         self.stats_interval = stats_interval
-        self.on_finish, self.on_first_token = on_finish, on_first_token
+        self.on_finish, self.on_first_token, self.on_fatal = on_finish, on_first_token, on_fatal
         self._inbox: queue.Queue[tuple[str, Handle | None]] = queue.Queue()
         self._handles: dict[Request, Handle] = {}
         self._pending = 0                      # submitted, not yet in a slot
@@ -81,18 +91,23 @@ class EngineWorker:
         self._stop = threading.Event()
         self._stats = scheduler.stats.to_dict()  # snapshot, replaced after each step
         self._num_steps = 0
+        self._stopped = False                  # the thread has ended or is ending (under _lock)
+        self._step_started: float | None = None   # monotonic start of the step running now
         self.error: BaseException | None = None
 
     # -- called from HTTP handlers ------------------------------------------------------------
     def submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> Handle:
         self.scheduler.check(req)
-        with self._lock:
+        handle = Handle(req, loop)
+        with self._lock:                       # against the thread's death: nothing lands in a dead inbox
+            if self._stopped:
+                raise EngineStopped("the engine has stopped" + (f" after an error: {_describe(self.error)}"
+                                                                if self.error is not None else ""))
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests are already waiting for a slot "
                                 f"(--max_queue_len={self.max_queue}); retry later")
             self._pending += 1
-        handle = Handle(req, loop)
-        self._inbox.put(("add", handle))
+            self._inbox.put(("add", handle))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -113,8 +128,13 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return self._pending
 
+    def step_running_for(self) -> float:
+        """Seconds the step now running has taken so far (0 between steps): a watchdog's reading."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,16 +149,28 @@ class EngineWorker:
 
     # -- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:             # the thread's last act: nobody may wait for ever
+            log.exception("engine loop failed; failing every request and stopping the engine")
+            self._die(e)
+            return
+        self._die(None)
+
+    def _run(self) -> None:
         last_log, logged_steps = time.monotonic(), 0
         while not self._stop.is_set():
             self._drain(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
+                self._step_started = time.monotonic()
                 try:
                     touched = self.scheduler.step()
                 except Exception as e:  # a failed step must not kill the server
-                    log.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    log.exception("engine step failed; failing the requests it ran")
+                    self._fail_stepped(f"engine error: {_describe(e)}")
                     continue
+                finally:
+                    self._step_started = None
                 self._num_steps = self.scheduler.num_steps
                 self._stats = self.scheduler.stats.to_dict()
                 for req in touched:
@@ -150,6 +182,25 @@ class EngineWorker:
                                                           f"{self.num_running}, waiting {self.num_waiting}"))
                     logged_steps = self._num_steps
                 last_log = now
+
+    def _die(self, error: BaseException | None) -> None:
+        """End of the thread: refuse new requests, answer every one held or still in the inbox."""
+        with self._lock:
+            self._stopped, self.error = True, error
+        message = (f"engine error: {_describe(error)}; the engine has stopped" if error is not None
+                   else "the engine has stopped")
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._handles[handle.request] = handle
+        for handle in self._handles.values():
+            self._send(handle, Update([], error=message))
+        self._handles.clear()
+        if error is not None and self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -199,18 +250,24 @@ class EngineWorker:
         handle.sent = len(req.tokens)
         if req.finish_reason is not None:
             update.finish_reason, update.stats = req.finish_reason, req.stats.to_dict()
-            del self._handles[req]
             if self.on_finish is not None:
                 self.on_finish(handle, update)
+            del self._handles[req]             # after the callback: if it raises, the thread's end answers it
         self._send(handle, update)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_stepped(self, message: str) -> None:
+        """After a failed step: fail the requests the scheduler aborted (those it ran); the
+        waiting ones stay queued for the next step."""
         for req, handle in list(self._handles.items()):
-            if handle.sent == 0:               # includes requests admitted by the failed step
+            if req.finish_reason is None:
+                continue
+            if handle.sent == 0:               # admitted by the failed step: no longer waiting
                 self._release_pending()
-            self.scheduler.abort(req)
-            self._send(handle, Update([], error=message))
-        self._handles.clear()
+            update = Update([], error=message)
+            if self.on_finish is not None:
+                self.on_finish(handle, update)
+            del self._handles[req]
+            self._send(handle, update)
 
     @staticmethod
     def _send(handle: Handle, update: Update) -> None:
@@ -218,3 +275,7 @@ class EngineWorker:
             handle.loop.call_soon_threadsafe(handle.updates.put_nowait, update)
         except RuntimeError:                   # the handler's event loop is gone (shutdown)
             pass
+
+
+def _describe(e: BaseException | None) -> str:
+    return f"{type(e).__name__}: {e}"
