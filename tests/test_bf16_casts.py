@@ -29,9 +29,9 @@ for `jax.nn.silu` in dspark_jax/models/llama.py (fixed: it now uses `layers.mlp.
 
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 import torch.nn.functional as F
 from flax import nnx

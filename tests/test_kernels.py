@@ -15,20 +15,15 @@ import pytest
 
 from dspark_jax.cache import FP8, PagedPool
 from dspark_jax.kernels import dispatch
-from dspark_jax.kernels.block_sparse import (
-    block_sparse_kernel,
-    block_sparse_mask,
-    block_sparse_reference,
-    multi_anchor_kernel,
-    multi_anchor_reference,
-    multi_anchor_shared,
-)
+from dspark_jax.kernels.block_sparse import (block_sparse_kernel, block_sparse_mask, block_sparse_reference,
+                                             multi_anchor_kernel, multi_anchor_reference,
+                                             multi_anchor_shared)
 from dspark_jax.kernels.kda_chunked import kda_chunked_kernel, kda_recurrent_kernel
-from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
 from dspark_jax.kernels.mla_paged import mla_paged_kernel, mla_paged_reference
 from dspark_jax.kernels.mla_prefill import mla_prefill_kernel, mla_prefill_reference
-from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
+from dspark_jax.kernels.kda_reference import kda_chunked, kda_recurrent
 from dspark_jax.layers.kda import kda_gate, l2_normalize
+from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
 from dspark_jax.layers.mla import causal_mask, split_kv_b
 from tests.float64 import x64
 

@@ -21,7 +21,8 @@ from dspark_jax.layers.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from dspark_jax.params import flat_params
 from tests.device_utils import on_eight_devices
 from tests.float64 import TorchFloat64, assert_close, x64
-from tests.moe_utils import MXFP4, D, k3_cfg, kimi_cfg, np_sigmoid, np_situ, randomize
+from tests.moe_utils import D, MXFP4, k3_cfg, kimi_cfg, np_sigmoid, np_situ, randomize
+
 
 
 @nnx.jit
