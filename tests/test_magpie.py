@@ -48,7 +48,7 @@ def test_clean_query(text, reason, kept):
     assert magpie.clean_query(text, reason) == kept
 
 
-class _FakeBatcher:
+class _FakeScheduler:
     """Stands in for the decoding loop: request i of a scheduler seeded s 'writes' a question made
     of two hashes of (s, i); every third one runs to the token limit. Records the seeds it was built with."""
 
@@ -95,14 +95,9 @@ class _FakeBatcher:
 
 @pytest.fixture
 def fake_decoding(monkeypatch, tokenizer):
-    import importlib
-
-    import dspark_jax.decode.scheduler
-
-    cls = type("Fake", (_FakeBatcher,), {"seeds": [], "never_stops": False, "tok": tokenizer})
-    monkeypatch.setattr(dspark_jax.decode.scheduler, "Scheduler", cls)
-    # the module, not the package's re-exported `generate` function of the same name
-    monkeypatch.setattr(importlib.import_module("dspark_jax.decode.generate"), "engine_for", lambda *a, **k: None)
+    cls = type("Fake", (_FakeScheduler,), {"seeds": [], "never_stops": False, "tok": tokenizer})
+    monkeypatch.setattr(magpie, "Scheduler", cls)
+    monkeypatch.setattr(magpie, "engine_for", lambda *a, **k: None)
     return cls
 
 
