@@ -55,7 +55,7 @@ class _FakeScheduler:
     seeds: ClassVar[list[int]] = []
     never_stops = False
 
-    def __init__(self, engine, max_num_seqs, max_len, *, seed=0):
+    def __init__(self, engine, config, *, seed=0):
         type(self).seeds.append(seed)
         self.seed, self.queue = seed, []
 
