@@ -270,3 +270,55 @@ def test_every_eos_id_ends_generation(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
     with pytest.raises(ConfigError, match=r"generation_config\.json: eos_token_id"):
         LlamaConfig.from_json(tmp_path / "config.json")
+
+
+# ------------------------------------------------------------------------------------------
+# chat templates from tokenizer_config.json
+
+# Written for this test in the shapes of the families' own templates: Llama 3.x (bos, header
+# markers, a system prompt dated with strftime_now, <|eot_id|>) and Qwen (ChatML, tools as JSON, a
+# `{% generation %}` block, loop controls).
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% set date = strftime_now('%Y') %}"
+    "<|start_header_id|>system<|end_header_id|>\n\nToday: {{ date }}\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] | trim }}{% endif %}<|eot_id|>"
+    "{% for m in messages %}{% if m['role'] != 'system' %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+QWEN_STYLE = (
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson(sort_keys=True) }}\n{% endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}{% continue %}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+CHAT = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "tool", "content": "x"},
+        {"role": "user", "content": "and?"}]
+
+
+@pytest.mark.parametrize("template", [LLAMA3_STYLE, QWEN_STYLE], ids=["llama3", "qwen"])
+def test_chat_template_from_tokenizer_config_matches_transformers(tmp_path, template):
+    import tokenizers
+
+    from dspark_jax.tokenizer import load_tokenizer
+    specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|im_start|>", "<|im_end|>"]
+    words = ["system", "user", "assistant", "hi", "hello", "and?", "Be", "brief.", "[UNK]"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                         eos_token="<|eot_id|>").save_pretrained(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path.write_text(json.dumps(dict(json.loads(cfg_path.read_text()), chat_template=template)))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    tools = [{"name": "get_time", "parameters": {"type": "object"}}]
+    for kw in (dict(add_generation_prompt=True), dict(add_generation_prompt=False, tools=tools)):
+        want = hf.apply_chat_template(CHAT, tokenize=False, **kw)
+        assert ours.apply_chat_template(CHAT, **kw) == want
+        assert ours.encode(want) == hf(want, add_special_tokens=False)["input_ids"]
