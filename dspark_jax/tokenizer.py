@@ -7,13 +7,15 @@ Two kinds of model directory:
   Kimi-K3 layout). Special tokens and chat format come from the directory; the built-in Kimi-K2
   ones only for a directory whose `config.json` declares a K2 / Kimi-Linear model, never for K3.
 Chat templates are rendered with jinja2 the way transformers does (sandboxed environment,
-trim_blocks, lstrip_blocks, `raise_exception`, `tojson`), so a model's own template gives the same
-prompt here as in transformers. `load_tokenizer(model_dir)` picks the class from the files present.
+trim_blocks, lstrip_blocks, `raise_exception`, `tojson` with its options, `strftime_now` (Llama 3.x
+templates date their system prompt with it), and the `{% generation %}` block, which renders its
+body), so a model's own template gives the same prompt here as in transformers. `load_tokenizer(model_dir)` picks the class from the files present.
 """
 
 from __future__ import annotations
 
 import abc
+import datetime
 import json
 import re
 from pathlib import Path
@@ -53,8 +55,27 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks the assistant's tokens for training masks in
+    transformers; rendering a prompt, it is its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 # stands for message i's content when locating the template's own text (private-use code points:
@@ -65,9 +86,10 @@ _CONTENT_MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 def compile_chat_template(source: str) -> jinja2.Template:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 

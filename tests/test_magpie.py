@@ -107,7 +107,7 @@ def _settings(tokenizer, **kw):
     return magpie.MagpieSettings(**{**base, **kw})
 
 
-TARGET = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=2))
+TARGET = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=2, eos_token_ids=(2,)))
 
 
 def test_sample_queries_resumes_without_repeating(tmp_path, tokenizer, fake_decoding):

@@ -33,9 +33,7 @@ def tokenizer_for(target):
 
 def eos_ids(target, tokenizer) -> set[int]:
     """Every token id that ends generation: the config's and the tokenizer's."""
-    eos = set()
-    if target.cfg.eos_token_id is not None:
-        eos.add(int(target.cfg.eos_token_id))
+    eos = {int(i) for i in target.cfg.eos_token_ids}
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
     return eos

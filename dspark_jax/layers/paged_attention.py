@@ -8,7 +8,8 @@ end), so one program serves every length and costs what the longest row holds.
 
 The callers give the scores and the weighted sum of values for one chunk of rows (GQA's per-head
 keys and values, MLA's latent rows), so the loop, the visibility mask and the softmax are written
-once. Queries see key j iff j < their limit (`limits_BT`, exclusive).
+once. Queries see key j iff j < their limit (`limits_BT`, exclusive) and, with a sliding window,
+j >= their start (`starts_BT`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 def paged_attention(pool, row, dtype, width: int, limits_BT: jax.Array,
                     scores: Callable[[jax.Array], jax.Array],
                     values: Callable[[jax.Array, jax.Array], jax.Array], *,
-                    chunk: int | None = None) -> jax.Array:
+                    chunk: int | None = None, starts_BT: jax.Array | None = None) -> jax.Array:
     """softmax(scores) @ values over the pool rows of `row` (`cache.PagedPool`) at positions below
-    each query's limit. `scores(kv_BCW)`: float32 (float64 under x64) scores [B, ..., T, C] of the
-    queries against one chunk's rows (read in `dtype`, `width` wide); `values(p, kv_BCW)`: the
-    weighted sum [B, ..., T, V] of its values under weights `p` (the scores' layout, in `dtype`).
+    each query's limit (and from `starts_BT` on, when given: a sliding window). `scores(kv_BCW)`:
+    float32 (float64 under x64) scores [B, ..., T, C] of the queries against one chunk's rows
+    (read in `dtype`, `width` wide); `values(p, kv_BCW)`: the weighted sum [B, ..., T, V] of its
+    values under weights `p` (the scores' layout, in `dtype`).
     Returns the normalised output [B, ..., T, V] in the scores' dtype; a query that sees no key
     gives zeros."""
     b, t = limits_BT.shape
@@ -54,11 +56,14 @@ def paged_attention(pool, row, dtype, width: int, limits_BT: jax.Array,
     s_out = jax.eval_shape(scores, probe)                    # [B, ..., T, C], float32 (float64 under x64)
     s_shape, acc = s_out.shape, s_out.dtype
     v_shape = jax.eval_shape(values, jax.ShapeDtypeStruct(s_shape, dtype), probe).shape
-    lim = limits_BT.reshape((b,) + (1,) * (len(s_shape) - 3) + (t, 1))  # against [B, ..., T, C]
+    against = (b,) + (1,) * (len(s_shape) - 3) + (t, 1)                 # against [B, ..., T, C]
+    lim = limits_BT.reshape(against)
+    first = None if starts_BT is None else starts_BT.reshape(against)
 
     def body(carry, kv_BCW, start):
         m_prev, l_prev, acc_prev = carry
-        vis = start + jnp.arange(chunk, dtype=jnp.int32) < lim
+        keys_C = start + jnp.arange(chunk, dtype=jnp.int32)
+        vis = keys_C < lim if first is None else (keys_C < lim) & (keys_C >= first)
         s = jnp.where(vis, scores(kv_BCW), _MASKED)
         m_new = jnp.maximum(m_prev, s.max(-1))
         p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)

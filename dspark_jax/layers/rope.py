@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain RoPE and DeepSeek-flavour YaRN (docs/architecture.md §3.4).
+"""Rotary position embeddings: plain RoPE and DeepSeek-flavour YaRN (docs/architecture.md §3.4), and
+the llama family's scaled variants (`llama_inv_freq_and_scale`: linear, Llama 3, YaRN).
 
 Two pairings of the rotary lanes exist and must not be confused (docs/architecture.md §3.4):
 - interleaved / GPT-J (`interleaved=True`): pairs (x[2i], x[2i+1]); DeepSeek MLA and the DSpark
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import RopeScaling, yarn_mscale
+from dspark_jax.config import LlamaRope, RopeScaling, yarn_mscale
 from dspark_jax.numerics import acc_dtype
 
 
@@ -70,6 +71,37 @@ def yarn_inv_freq_and_mscale(rope: RopeScaling, rotary_dim: int) -> tuple[np.nda
     return inv_freq, float(attn_factor)
 
 
+def llama_inv_freq_and_scale(rope: LlamaRope, rotary_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rotary_dim // 2] (float32) and cos/sin multiplier of a llama-family
+    `rope`, as transformers' modeling_rope_utils computes them in float32: `linear` divides every
+    frequency by `factor`; `llama3` divides those whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor, keeps those below .../ high_freq_factor and
+    blends in between; `yarn` ramps between the original and the interpolated frequency (the
+    draft's YaRN table) and multiplies cos/sin by `attention_factor`."""
+    if rope.rope_type == "yarn":
+        inv_freq, _ = yarn_inv_freq_and_mscale(RopeScaling(
+            rope_type="yarn", rope_theta=rope.rope_theta, factor=rope.factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            beta_fast=rope.beta_fast, beta_slow=rope.beta_slow), rotary_dim)
+        return inv_freq, rope.attention_factor
+    inv_freq = np.float32(1.0) / _base_frequencies(rope.rope_theta, rotary_dim)
+    factor = np.float32(rope.factor)
+    if rope.rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope.rope_type == "llama3":
+        context = np.float32(rope.original_max_position_embeddings)
+        low, high = np.float32(rope.low_freq_factor), np.float32(rope.high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return np.where(medium, blended, scaled).astype(np.float32), 1.0
+    if rope.rope_type != "default":
+        raise ValueError(f"rope_type {rope.rope_type!r} has no frequency table here")
+    return inv_freq, 1.0
+
+
 def softmax_scale(qk_head_dim: int, rope: RopeScaling | None) -> float:
     """qk_head_dim**-0.5 times YaRN's attention temperature mscale(s, mscale_all_dim)**2
     (0.13086080 for the K3 draft; omitting the mscale² collapses acceptance, docs/architecture.md §3.4)."""
@@ -99,6 +131,12 @@ class RotaryEmbedding:
     def from_scaling(cls, rope: RopeScaling, rotary_dim: int, *, interleaved: bool) -> "RotaryEmbedding":
         inv_freq, attn_factor = yarn_inv_freq_and_mscale(rope, rotary_dim)
         return cls(inv_freq, attn_factor, interleaved=interleaved)
+
+    @classmethod
+    def for_llama(cls, rope: LlamaRope, rotary_dim: int) -> "RotaryEmbedding":
+        """The llama family's table (NeoX halves)."""
+        inv_freq, attn_factor = llama_inv_freq_and_scale(rope, rotary_dim)
+        return cls(inv_freq, attn_factor, interleaved=False)
 
     @classmethod
     def plain(cls, rotary_dim: int, theta: float, *, interleaved: bool) -> "RotaryEmbedding":

@@ -1,8 +1,13 @@
-"""The `llama` family target: dense GQA decoder (Llama / SmolLM2), HF `LlamaForCausalLM` math.
+"""The `llama` family target: dense GQA decoders, the math of transformers' `LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `MistralForCausalLM`.
 
 Pre-norm layers `h = x + attn(norm(x)); out = h + mlp(norm(h))` with RMSNorm, NeoX (half-split)
-RoPE on q and k, grouped-query attention and a SwiGLU MLP; tied or untied lm_head. Param paths are
-the HF tensor names (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`).
+RoPE on q and k (plain, linear, Llama 3 or YaRN frequencies), grouped-query attention and a SwiGLU
+MLP; tied or untied lm_head. What the configs switch (`LlamaConfig`): q/k/v biases (Qwen2, Llama
+`attention_bias`), an o_proj bias (`attention_bias`), Qwen3's per-head RMSNorm of q and k before
+RoPE, and a sliding window on some or all layers (Mistral, Qwen `use_sliding_window`). Param paths
+are the HF tensor names (`model.layers.3.self_attn.q_proj.weight`, `...q_proj.bias`,
+`...self_attn.q_norm.weight`, `lm_head.weight`).
 
 The layer body takes the attention as a callable (`AttentionFn`), so the cacheless `forward`
 (tests, parity, the teacher) and `steps.py`'s paged-pool step run the same residual/MLP code. All
@@ -51,9 +56,10 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 
 def gqa_paged_attention(q_BTNH: jax.Array, pool, row: int, num_kv_heads: int,
-                        positions_BT: jax.Array) -> jax.Array:
+                        positions_BT: jax.Array, window: int | None = None) -> jax.Array:
     """`gqa_attention` of each query over the pool rows `[k | v]` of `row` at positions up to its
-    own, read key chunk by key chunk (`paged_attention`) -> [B,T,N,H] in q's dtype."""
+    own (the last `window` of them, with a window), read key chunk by key chunk (`paged_attention`)
+    -> [B,T,N,H] in q's dtype."""
     b, t, n, h = q_BTNH.shape
     k, dtype = num_kv_heads, q_BTNH.dtype
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
@@ -65,7 +71,9 @@ def gqa_paged_attention(q_BTNH: jax.Array, pool, row: int, num_kv_heads: int,
     def values(p_BKGTC, kv_BCW):
         return einsum_acc("bkgtc,bckh->bkgth", p_BKGTC, kv_BCW.reshape(b, -1, k, 2 * h)[..., h:])
 
-    out_BKGTH = paged_attention(pool, row, dtype, 2 * k * h, positions_BT + 1, scores, values)
+    starts_BT = None if window is None else positions_BT - (window - 1)
+    out_BKGTH = paged_attention(pool, row, dtype, 2 * k * h, positions_BT + 1, scores, values,
+                                starts_BT=starts_BT)
     return out_BKGTH.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -75,39 +83,51 @@ AttentionFn = Callable[[int, "LlamaAttention", jax.Array], jax.Array]
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(d, n * h, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(n * h, d, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.rope = RotaryEmbedding.plain(h, cfg.rope_theta, interleaved=False)
+        self.q_proj = Linear(d, n * h, axes=("heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, k * h, axes=("kv_heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.o_proj = Linear(n * h, d, axes=("embed", "heads"), dtype=dtype, rngs=rngs, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.rope = RotaryEmbedding.for_llama(cfg.rope, h)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.qk_norm, self.window = cfg.qk_norm, cfg.window(layer_idx)
 
-    def project(self, x_BTD: jax.Array, positions_BT: jax.Array, qkv_DF: jax.Array | None = None
+    def project(self, x_BTD: jax.Array, positions_BT: jax.Array, weights: dict | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,T,N,H] and k [B,T,K,H] rotated at their positions, v [B,T,K,H]. `qkv_DF`: the three
-        projections as one [in, out] matrix (`LlamaModel.serving_weights`), one GEMM instead of three."""
+        """q [B,T,N,H] and k [B,T,K,H] (normed per head for Qwen3) rotated at their positions,
+        v [B,T,K,H]. `weights` (`LlamaModel.serving_weights`): the three projections as one
+        [in, out] matrix (and one bias), one GEMM instead of three."""
         b, t, _ = x_BTD.shape
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        if qkv_DF is None:
+        if weights is None:
             q, kk, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         else:
-            qkv = linear_io(x_BTD, qkv_DF)
+            qkv = linear_io(x_BTD, weights["qkv"])
+            if "qkv_bias" in weights:
+                qkv = qkv + weights["qkv_bias"]
             q, kk, v = qkv[..., :n * h], qkv[..., n * h:(n + k) * h], qkv[..., (n + k) * h:]
-        q_BTNH = self.rope(q.reshape(b, t, n, h), positions_BT)
-        k_BTKH = self.rope(kk.reshape(b, t, k, h), positions_BT)
-        v_BTKH = v.reshape(b, t, k, h)
-        return q_BTNH, k_BTKH, v_BTKH
+        q_BTNH, k_BTKH = q.reshape(b, t, n, h), kk.reshape(b, t, k, h)
+        if self.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        return self.rope(q_BTNH, positions_BT), self.rope(k_BTKH, positions_BT), v.reshape(b, t, k, h)
+
+    def output(self, out_BTF: jax.Array, weights: dict | None = None) -> jax.Array:
+        """o_proj (through its [in, out] copy in `weights`, when given)."""
+        if weights is None:
+            return self.o_proj(out_BTF)
+        y = linear_io(out_BTF, weights["o"])
+        return y + weights["o_bias"] if "o_bias" in weights else y
 
     def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-               mask_BTS: jax.Array, o_FD: jax.Array | None = None) -> jax.Array:
-        """Attention over any key set (cache dtype may differ from the params'), then o_proj
-        (`o_FD`: its [in, out] copy)."""
+               mask_BTS: jax.Array) -> jax.Array:
+        """Attention over any key set (cache dtype may differ from the params'), then o_proj."""
         b, t = q_BTNH.shape[:2]
         out_BTNH = gqa_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS)
-        out_BTF = out_BTNH.reshape(b, t, self.num_heads * self.head_dim)
-        return self.o_proj(out_BTF) if o_FD is None else linear_io(out_BTF, o_FD)
+        return self.output(out_BTNH.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nnx.Module):
@@ -130,7 +150,7 @@ class LlamaMLP(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         self.layer_idx = layer_idx
-        self.self_attn = LlamaAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype=dtype, rngs=rngs)
         self.mlp = LlamaMLP(cfg, dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -187,9 +207,12 @@ class LlamaModel(TargetLM):
         if valid_BS is not None:
             mask_BSS = mask_BSS & valid_BS[:, None, :].astype(bool)
         mask_BSS = jnp.broadcast_to(mask_BSS, (b, s, s))
+        # a sliding window: a query at position p sees keys at positions > p - window
+        behind_BSS = positions_BS[:, :, None] - positions_BS[:, None, :]
 
         def attention(layer_idx: int, attn: LlamaAttention, x_BSD: jax.Array) -> jax.Array:
-            return attn.attend(*attn.project(x_BSD, positions_BS), mask_BSS)
+            mask = mask_BSS if attn.window is None else mask_BSS & (behind_BSS < attn.window)
+            return attn.attend(*attn.project(x_BSD, positions_BS), mask)
 
         return self.run(token_ids_BS, attention, aux_layer_ids)
 
@@ -206,7 +229,7 @@ class LlamaModel(TargetLM):
     def serving_weights(self, head: bool = True) -> dict:
         """Copies of the weights in the layout XLA:CPU's GEMMs run best, built once per engine
         (outside any program; the checkpoint layout and the declared params are untouched):
-        per layer q|k|v as one [D, (N+2K)H] matrix, gate|up as one [D, 2I], o and down as
+        per layer q|k|v as one [D, (N+2K)H] matrix (and one bias), gate|up as one [D, 2I], o and down as
         [in, out]; with `head`, the lm_head as [D, V]. Concatenating inside a program instead
         costs a copy of every weight per call. Each output column is the same dot product as
         the separate [out, in] projection's, so greedy outputs stay identical to the
@@ -217,13 +240,18 @@ class LlamaModel(TargetLM):
         layers = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            layers.append({
-                "qkv": t(jnp.concatenate([a.q_proj.weight.get_value(), a.k_proj.weight.get_value(),
-                                          a.v_proj.weight.get_value()], 0)),
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            w = {
+                "qkv": t(jnp.concatenate([p.weight.get_value() for p in qkv], 0)),
                 "o": t(a.o_proj.weight.get_value()),
                 "gate_up": t(jnp.concatenate([m.gate_proj.weight.get_value(), m.up_proj.weight.get_value()], 0)),
                 "down": t(m.down_proj.weight.get_value()),
-            })
+            }
+            if self.cfg.qkv_bias:
+                w["qkv_bias"] = jnp.concatenate([p.bias.get_value() for p in qkv])
+            if self.cfg.o_bias:
+                w["o_bias"] = a.o_proj.bias.get_value()
+            layers.append(w)
         out = {"layers": layers}
         if head:
             w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
@@ -235,8 +263,8 @@ class LlamaModel(TargetLM):
                        weights: dict | None = None, logits_rows_BR: jax.Array | None = None
                        ) -> tuple[ForwardOutput, TargetCaches, None]:
         """Each layer writes its rotated keys and values at the tokens' positions, then attends
-        over the logical cache up to each query's position, as far as the latest position reaches
-        (`gqa_paged_attention`). `verify` changes nothing here.
+        over the logical cache up to each query's position (its last `window` positions on a
+        sliding-window layer), as far as the latest position reaches (`gqa_paged_attention`). `verify` changes nothing here.
         `weights`: `serving_weights()` (fused [in, out] projections), else the declared params.
         `logits_rows_BR`: compute the logits of these rows only (`ForwardOutput.logits` [B,R,V])."""
         del verify
@@ -245,11 +273,11 @@ class LlamaModel(TargetLM):
         def attention(layer_idx: int, attn: LlamaAttention, x: jax.Array) -> jax.Array:
             nonlocal pool
             w = None if weights is None else weights["layers"][layer_idx]
-            q, k, v = attn.project(x, positions_BT, None if w is None else w["qkv"])   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
+            q, k, v = attn.project(x, positions_BT, w)   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
             b, t, nkv, _ = k.shape
             pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
-            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT).reshape(b, t, -1)
-            return attn.o_proj(out_BTF) if w is None else linear_io(out_BTF, w["o"])
+            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT, attn.window).reshape(b, t, -1)
+            return attn.output(out_BTF, w)
 
         out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
         return out, TargetCaches(pool, None), None
@@ -261,7 +289,8 @@ def _dtype_from_config(name: str):
 
 def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
                progress: Progress | None = None, rules=None) -> LlamaModel:
-    """Load an HF-layout Llama directory (config.json + safetensors). Params take the config's
+    """Load an HF-layout llama-family directory (config.json + safetensors, as transformers'
+    `save_pretrained` writes it for Llama, Qwen2, Qwen3 and Mistral). Params take the config's
     `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
     cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
     param_dtype = _dtype_from_config(cfg.dtype) if dtype is None else jnp.dtype(dtype)
