@@ -122,11 +122,13 @@ class PagedPool(NamedTuple):
         `engine.rows_table`) read the last page."""
         return self._read_pages(row, jnp.asarray(self.block_table), dtype, width)
 
-    def fold_keys(self, row: int | jax.Array, dtype, width: int, limit: jax.Array, chunk: int, body, init):
+    def fold_keys(self, row: int | jax.Array, dtype, width: int, limit: jax.Array, chunk: int, body, init, *,
+                  start: int | jax.Array = 0):
         """`body(carry, rows_BCW, start)` over the rows of `row` in chunks of `chunk` positions
-        (positions start.. start+chunk-1, in logical order), for the chunks below `limit` (traced:
-        the positions the longest query reads). The loop's trip count follows the data, so one
-        program serves every length where a gather of the whole table would cost `max_len`."""
+        (positions start.. start+chunk-1, in logical order), for the chunks from position `start`
+        (a multiple of `chunk`) below `limit` (traced: the positions the longest query reads).
+        The loop's trip count follows the data, so one program serves every length where a
+        gather of the whole table would cost `max_len`."""
         if chunk % self.page_size:
             raise ValueError(f"key chunk {chunk} is not a multiple of the page size {self.page_size}")
         per = chunk // self.page_size
@@ -134,13 +136,13 @@ class PagedPool(NamedTuple):
         pad = -table.shape[1] % per
         if pad:     # page numbers past the pool: read clamped, always masked (beyond max_len)
             table = jnp.pad(table, ((0, 0), (0, pad)), constant_values=self.pages.shape[1])
-        trips = (jnp.clip(limit, 1, self.max_len) + chunk - 1) // chunk
+        trips = (jnp.clip(limit, 0, self.max_len) + chunk - 1) // chunk
 
         def one(i, carry):
             pages_BP = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
             return body(carry, self._read_pages(row, pages_BP, dtype, width), i * chunk)
 
-        return jax.lax.fori_loop(0, trips, one, init)
+        return jax.lax.fori_loop(start // chunk, trips, one, init)
 
     def _read_pages(self, row, table_BP, dtype, width):
         pages = jnp.asarray(self.pages)      # a numpy pool (tests) has no .at

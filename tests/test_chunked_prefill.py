@@ -13,6 +13,7 @@ from dspark_jax.decode.config import EngineConfig, SchedulerConfig
 from dspark_jax.decode.engine import Engine
 from dspark_jax.decode.generate import generate
 from dspark_jax.decode.scheduler import Request, Scheduler
+from dspark_jax.layers import paged_attention
 from tests.float64 import assert_f32_close
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 
@@ -93,6 +94,25 @@ def test_chunked_prefill_equals_whole_prompt(family, t):
     while whole.has_work():
         whole.step()
     assert len(req.tokens) == 20 and req.tokens == whole_req.tokens
+
+
+def test_query_tiles_leave_the_output_unchanged(family, monkeypatch):
+    """With query tiles of 8 rows over key chunks of one page (every prefill call many tiles, each
+    tile's early chunks unmasked and later ones masked, the whole prompt's padding rows a tile of
+    their own), the chunked prefill still equals the whole-prompt one, and both give the greedy
+    tokens and cache rows of the engine at the default tile (one tile per call here)."""
+    target, engines = family
+    prompt = prompts(1, target.cfg.vocab_size, seed=46, lo=LONG, hi=LONG + 1)[0]
+    want = Scheduler(engines[0], SchedulerConfig(SLOTS, MAX_LEN))
+    want_req = want.run([Request(prompt, 12)])[0]
+    monkeypatch.setattr(paged_attention, "QUERY_TILE", 8)
+    monkeypatch.setattr(paged_attention, "KEY_CHUNK", 16)
+    tiled = Engine(target, None, EngineConfig(num_speculative_tokens=0))
+    for budget in (None, BUDGET):
+        b = Scheduler(tiled, SchedulerConfig(SLOTS, MAX_LEN, max_num_batched_tokens=budget))
+        req = b.run([Request(prompt, 12)])[0]
+        assert req.tokens == want_req.tokens, f"budget {budget}"
+        assert_f32_close(_slot_caches(b, 0, LONG)[0], _slot_caches(want, 0, LONG)[0], f"pool rows, budget {budget}")
 
 
 # the scheduling does not depend on the family (the k3 family's compilations are the slow ones)

@@ -69,6 +69,36 @@ def test_mla_chunks_match_the_reference(causal):
             assert not np.asarray(got).any()
 
 
+@pytest.mark.parametrize("tile,chunk", [(6, 8), (16, 4), (5, 20)])
+def test_query_tiles_match_one_softmax(tile, chunk, monkeypatch):
+    """Prefill-shaped calls: 20 queries per row at offsets 0 and 9 (a later chunk of a prompt over
+    the rows before it), in tiles of 6 (the last one padded), 16 and 5 rows over key chunks of 2,
+    1 and 5 pages, each tile's first chunks unmasked; against one softmax over the gathered table.
+    The last rows of the second sequence are padding (not valid): they give zeros."""
+    rng = np.random.default_rng(4)
+    b, t, n, k, h = 2, 20, 6, 2, 8
+    with x64():
+        pool = _pool(rng, 2 * k * h, b)
+        q = jnp.asarray(rng.standard_normal((b, t, n, h)))
+        positions = jnp.asarray(np.array([[0], [9]]) + np.arange(t), jnp.int32)
+        valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [13]]))
+        kv = pool.read(1, jnp.float64).reshape(b, -1, k, 2 * h)
+        mask = jnp.arange(pool.max_len)[None, None] <= positions[:, :, None]
+        want = jnp.where(valid[..., None, None], gqa_attention(q, kv[..., :h], kv[..., h:], mask), 0.0)
+        monkeypatch.setattr(paged_attention, "KEY_CHUNK", chunk)
+        monkeypatch.setattr(paged_attention, "QUERY_TILE", tile)
+        got = gqa_paged_attention(q, pool, 1, k, positions, valid)
+        assert_close(got, want, f"tiles of {tile}, chunks of {chunk}")
+        mla = dict(q_lat=jnp.asarray(rng.standard_normal((b, t, 3, 16))),
+                   q_rope=jnp.asarray(rng.standard_normal((b, t, 3, 8))))
+        pool3 = _pool(rng, 24, b, rows=1)
+        got = mla_paged_chunked(mla["q_lat"], mla["q_rope"], pool3.pages, pool3.block_table, positions, 0.3,
+                                causal=True, row=0, chunk=chunk)
+        want = mla_paged_reference(mla["q_lat"], mla["q_rope"], pool3.pages, pool3.block_table, positions, 0.3,
+                                   causal=True, row=0)
+        assert_close(got, want, f"MLA, tiles of {tile}, chunks of {chunk}")
+
+
 def test_chunks_past_the_longest_query_are_not_read(monkeypatch):
     """NaN in every page past the chunk holding the last visible key: a chunk read there would make
     the output NaN (0 x NaN in the weighted sum), so a finite result equal to the reference's over

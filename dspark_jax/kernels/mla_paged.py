@@ -31,7 +31,7 @@ from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
 from dspark_jax.kernels.mla_reference import masked_softmax, mla_scores_absorbed
 from dspark_jax.layers.paged_attention import paged_attention
-from dspark_jax.numerics import einsum_acc
+from dspark_jax.numerics import acc_dtype, einsum_acc, on_cpu
 
 # `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
 # block table's pages x page size: the engine passes whole tables, so the server's max_model_len):
@@ -89,16 +89,22 @@ def mla_paged_chunked(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.
     does not, at a cost that follows the positions rather than the block table's width."""
     pool, r = _pool(pages, block_table_BP, row)
     c, dtype = q_lat_BTNC.shape[-1], q_lat_BTNC.dtype
-    q_rope_BTNR = q_rope_BTNR.astype(dtype)
+    queries = (q_lat_BTNC.transpose(0, 2, 1, 3), q_rope_BTNR.astype(dtype).transpose(0, 2, 1, 3))   # [B,N,T,*]
+    if on_cpu():     # einsum_acc would upcast them for every key chunk: once here
+        queries = tuple(q.astype(acc_dtype(q)) for q in queries)
 
-    def scores(kv_BCL):
-        return mla_scores_absorbed(q_lat_BTNC, q_rope_BTNR, kv_BCL, scale)          # [B,N,T,C']
+    def scores(qs, kv_BCL):
+        q_lat_BNTC, q_rope_BNTR = qs
+        s = (einsum_acc("bntc,bsc->bnts", q_lat_BNTC, kv_BCL[..., :c])
+             + einsum_acc("bntr,bsr->bnts", q_rope_BNTR, kv_BCL[..., c:]))
+        return s * scale                                               # [B,N,T,C'] as mla_scores_absorbed
 
     def values(p_BNTS, kv_BSL):
         return einsum_acc("bnts,bsc->bntc", p_BNTS, kv_BSL[..., :c])
 
     lim_BT = key_limits(positions_BT, causal, pool.max_len)
-    o_BNTC = paged_attention(pool, r, dtype, c + q_rope_BTNR.shape[-1], lim_BT, scores, values, chunk=chunk)
+    o_BNTC = paged_attention(pool, r, dtype, c + q_rope_BTNR.shape[-1], lim_BT, queries, scores, values,
+                             chunk=chunk)
     return o_BNTC.transpose(0, 2, 1, 3).astype(dtype)
 
 

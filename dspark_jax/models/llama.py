@@ -35,7 +35,7 @@ from dspark_jax.layers.norms import RMSNorm
 from dspark_jax.layers.paged_attention import paged_attention
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.target import ForwardOutput, TargetLM
-from dspark_jax.numerics import einsum_acc
+from dspark_jax.numerics import acc_dtype, einsum_acc, on_cpu
 
 
 def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -56,23 +56,33 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 
 def gqa_paged_attention(q_BTNH: jax.Array, pool, row: int, num_kv_heads: int,
-                        positions_BT: jax.Array, window: int | None = None) -> jax.Array:
+                        positions_BT: jax.Array, window: int | None = None,
+                        valid_BT: jax.Array | None = None) -> jax.Array:
     """`gqa_attention` of each query over the pool rows `[k | v]` of `row` at positions up to its
-    own (the last `window` of them, with a window), read key chunk by key chunk (`paged_attention`)
-    -> [B,T,N,H] in q's dtype."""
+    own (the last `window` of them, with a window), in query tiles and key chunks
+    (`paged_attention`) -> [B,T,N,H] in q's dtype. Rows not `valid_BT` (padding) read nothing and
+    give zeros."""
     b, t, n, h = q_BTNH.shape
     k, dtype = num_kv_heads, q_BTNH.dtype
-    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    q_BKGTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    scale = h ** -0.5
+    if on_cpu():
+        # einsum_acc would upcast the queries for every key chunk: once here, the scale folded in
+        q_BKGTH, scale = q_BKGTH.astype(acc_dtype(q_BKGTH)) * scale, None
 
-    def scores(kv_BCW):
+    def scores(qs, kv_BCW):
         k_BCKH = kv_BCW.reshape(b, -1, k, 2 * h)[..., :h]
-        return einsum_acc("btkgh,bckh->bkgtc", q_BTKGH, k_BCKH) * (h ** -0.5)
+        s_BKGTC = einsum_acc("bkgth,bckh->bkgtc", qs[0], k_BCKH)
+        return s_BKGTC if scale is None else s_BKGTC * scale
 
     def values(p_BKGTC, kv_BCW):
         return einsum_acc("bkgtc,bckh->bkgth", p_BKGTC, kv_BCW.reshape(b, -1, k, 2 * h)[..., h:])
 
+    limits_BT = positions_BT + 1
+    if valid_BT is not None:
+        limits_BT = jnp.where(valid_BT, limits_BT, 0)
     starts_BT = None if window is None else positions_BT - (window - 1)
-    out_BKGTH = paged_attention(pool, row, dtype, 2 * k * h, positions_BT + 1, scores, values,
+    out_BKGTH = paged_attention(pool, row, dtype, 2 * k * h, limits_BT, (q_BKGTH,), scores, values,
                                 starts_BT=starts_BT)
     return out_BKGTH.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
@@ -276,7 +286,8 @@ class LlamaModel(TargetLM):
             q, k, v = attn.project(x, positions_BT, w)   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
             b, t, nkv, _ = k.shape
             pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
-            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT, attn.window).reshape(b, t, -1)
+            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT, attn.window,
+                                          valid_BT).reshape(b, t, -1)
             return attn.output(out_BTF, w)
 
         out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
