@@ -8,7 +8,7 @@ time one step program at a time through the scheduler's own `run_step`, on rows 
 `L` (the cache holds zeros: the step's cost does not depend on the values): a one-token step
 (width 0) and a verify of T drafts, over 1 and 8 rows, for each L in `--lengths`. Each call is
 made twice untimed (compile or load, first run), then `--reps` times; the median is printed, in ms.
-With several `--key_chunks` (`layers.paged_attention.KEY_CHUNK`) the rounds alternate between
+With several `--key_chunks` (`kernels.paged_attention.KEY_CHUNK`) the rounds alternate between
 them (programs are dropped and traced again for each), so the sizes are compared in one run.
 """
 
@@ -42,7 +42,7 @@ def main(argv):
     from dspark_jax.decode.engine import Engine
     from dspark_jax.decode.scheduler import Scheduler
     from dspark_jax.hostinfo import describe_cpu
-    from dspark_jax.layers import paged_attention
+    from dspark_jax.kernels import paged_attention
     from dspark_jax.serving.pair import load_pair
 
     warmup.enable_compilation_cache(warmup.compilation_cache_dir(None))

@@ -70,10 +70,10 @@ def load_target(path_or_name: str | os.PathLike = DEFAULT_TARGET, *, dtype="auto
         return model
     cfg = load_config(path)
     if isinstance(cfg, KimiConfig):
-        from dspark_jax.models.kimi import load_kimi
+        from dspark_jax.checkpoint.loader import load_kimi
         model = load_kimi(path, dtype=dtype, mesh=mesh, progress=progress, rules=rules)
     elif isinstance(cfg, LlamaConfig):
-        from dspark_jax.models.llama import load_llama
+        from dspark_jax.checkpoint.loader import load_llama
         model = load_llama(path, dtype=dtype, mesh=mesh, progress=progress, rules=rules)
     elif isinstance(cfg, DraftConfig):
         raise ConfigError(f"{path}: this is a DSpark draft checkpoint; use load_draft")

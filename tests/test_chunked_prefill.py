@@ -13,7 +13,7 @@ from dspark_jax.decode.config import EngineConfig, SchedulerConfig
 from dspark_jax.decode.engine import Engine
 from dspark_jax.decode.generate import generate
 from dspark_jax.decode.scheduler import Request, Scheduler
-from dspark_jax.layers import paged_attention
+from dspark_jax.kernels import paged_attention
 from tests.float64 import assert_f32_close
 from tests.gen_utils import prompts, tiny_draft, tiny_k3, tiny_llama
 

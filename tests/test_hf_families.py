@@ -21,11 +21,11 @@ import transformers
 from flax import nnx
 
 from dspark_jax import generate, load_target
-from dspark_jax.decode import steps
 from dspark_jax.cache import PagedPool, TargetCaches
+from dspark_jax.checkpoint.loader import load_llama
 from dspark_jax.config import ConfigError, LlamaConfig, load_config
+from dspark_jax.decode import steps
 from dspark_jax.decode.requests import eos_ids
-from dspark_jax.models.llama import load_llama
 from tests.float64 import TorchFloat64, assert_close, assert_f32_close, share_rope_table, x64
 from tests.gen_utils import prompts, tiny_draft
 

@@ -15,9 +15,10 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
+from dspark_jax.checkpoint.loader import load_kimi
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import KimiConfig
-from dspark_jax.models.kimi import KimiLinearModel, Residual, load_kimi
+from dspark_jax.models.kimi import KimiLinearModel, Residual
 from tests.float64 import TorchFloat64, assert_close, x64
 from tests.kimi_configs import kimi_linear_dict, tiny_k3_dict, write_k3_checkpoint
 

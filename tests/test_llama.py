@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax import sharding
 from dspark_jax.checkpoint import safetensors_io
-from dspark_jax.checkpoint.loader import expert_tensor_name, load_state
-from dspark_jax.models.llama import LlamaModel, load_llama
+from dspark_jax.checkpoint.loader import expert_tensor_name, load_llama, load_state
+from dspark_jax.models.llama import LlamaModel
 from dspark_jax.params import flat_params, param
 from tests.float64 import TorchFloat64, assert_close, share_rope_table, x64
 

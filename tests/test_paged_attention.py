@@ -1,4 +1,4 @@
-"""Attention over the paged pool read chunk by chunk (`layers.paged_attention`): the same numbers as
+"""Attention over the paged pool read chunk by chunk (`kernels.paged_attention`): the same numbers as
 one softmax over the whole gathered table, in float64; the chunks past the longest query are never
 read; one compiled program serves every length."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from dspark_jax.cache import PagedPool
 from dspark_jax.kernels.mla_paged import mla_paged_chunked, mla_paged_reference
-from dspark_jax.layers import paged_attention
+from dspark_jax.kernels import paged_attention
 from dspark_jax.models.llama import gqa_attention, gqa_paged_attention
 from tests.float64 import assert_close, assert_f32_close, x64
 

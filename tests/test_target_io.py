@@ -19,9 +19,10 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
 from dspark_jax.checkpoint import orbax_io, target_io
+from dspark_jax.checkpoint.loader import load_kimi
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.config import KimiConfig
-from dspark_jax.models.kimi import KimiLinearModel, load_kimi
+from dspark_jax.models.kimi import KimiLinearModel
 from tests.gen_utils import randomize
 from tests.kimi_configs import tiny_k3_dict, write_k3_checkpoint
 

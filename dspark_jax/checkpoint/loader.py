@@ -29,6 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
+from dspark_jax.config import KimiConfig, LlamaConfig
+from dspark_jax.models.kimi import KimiLinearModel, hf_rename
+from dspark_jax.models.llama import LlamaModel
 
 DtypePolicy = Literal["strict", "cast"]
 Progress = Callable[[int, int, str], None]
@@ -186,3 +189,42 @@ def load_state(model: nnx.Module | Callable[[], nnx.Module], checkpoint_dir: str
         return loaded
 
     return sharding_lib.place_params(model, mesh, load, rules or sharding_lib.LOGICAL_RULES)
+
+
+# ---------------------------------------------------------------------------------------------
+# each family's target (its model and rename map live in dspark_jax/models/)
+
+
+def load_kimi(model_dir, *, dtype=None, mesh=None, dtype_policy: str | None = None,
+              progress=None, rules=None) -> KimiLinearModel:
+    """Load a kimi_linear-family target from an HF directory (K3 wrapper or plain layout),
+    tensor by tensor, straight into the mesh's sharding. `dtype` overrides the param dtype of
+    the bf16 weights (float32 for tests); F32/U8 tensors keep their dtype."""
+    cfg = KimiConfig.from_json(model_dir)
+    keys = set(ShardedCheckpoint(model_dir).keys())
+    policy = dtype_policy or ("cast" if dtype is not None else "strict")
+    return load_state(
+        lambda: KimiLinearModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)), model_dir, mesh=mesh,
+        rename=hf_rename(keys, cfg.tensor_prefix), prefix=cfg.tensor_prefix, dtype_policy=policy,
+        # the K3 wrapper also holds the vision tower and projector; MTP layers are not used
+        ignore=(r"^vision_tower\.", r"^mm_projector\.", r"^multi_modal_projector\."),
+        progress=progress, rules=rules)
+
+
+def _dtype_from_config(name: str):
+    return jnp.dtype(name.removeprefix("torch."))
+
+
+def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
+               progress: Progress | None = None, rules=None) -> LlamaModel:
+    """Load an HF-layout llama-family directory (config.json + safetensors, as transformers'
+    `save_pretrained` writes it for Llama, Qwen2, Qwen3 and Mistral). Params take the config's
+    `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
+    cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
+    param_dtype = _dtype_from_config(cfg.dtype) if dtype is None else jnp.dtype(dtype)
+    abstract = params_lib.abstract(lambda: LlamaModel(cfg, dtype=param_dtype, rngs=nnx.Rngs(0)))
+    # some exporters store a copy of the tied table as lm_head.weight; the model reads embed_tokens
+    ignore = [rf"^{re.escape(cfg.tensor_prefix)}lm_head\.weight$"] if cfg.tie_word_embeddings else []
+    return load_state(abstract, model_dir, mesh=mesh, prefix=cfg.tensor_prefix,
+                      dtype_policy="strict" if dtype is None else "cast", ignore=ignore,
+                      progress=progress, rules=rules)

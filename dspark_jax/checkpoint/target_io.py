@@ -136,10 +136,10 @@ def _problems(where: str, problems: list[str]) -> CheckpointError:
 def _hf_plans(src: Path, cfg: KimiConfig) -> tuple[ShardedCheckpoint, list]:
     """Validate the HF checkpoint against config.json (headers only) the way `load_kimi` does;
     returns the per-param read plans."""
-    from dspark_jax.models.kimi import _hf_rename
+    from dspark_jax.models.kimi import hf_rename
 
     ckpt = ShardedCheckpoint(src)
-    rename = _hf_rename(set(ckpt.keys()), cfg.tensor_prefix)
+    rename = hf_rename(set(ckpt.keys()), cfg.tensor_prefix)
     flat = params_lib.flat_params(_abstract_target(cfg))
     plans, errors = loader_lib.plan_params(flat, ckpt, lambda p: cfg.tensor_prefix + rename(p), "strict")
     consumed = {n for plan in plans for n in plan.names}

@@ -13,7 +13,7 @@ Each program is a pure function of (target state, draft state, inputs, caches) c
 static setting (sampling, width) and batch shape, one jit per shape (`dspark_jax.decode.programs`:
 the least recently used are dropped near the process's memory-mapping limit); its rows name their
 cache slots, so a call computes the running sequences only (padding rows write nothing), and its
-attention reads keys as far as its longest row reaches (`layers.paged_attention`), so no program
+attention reads keys as far as its longest row reaches (`kernels.paged_attention`), so no program
 depends on the sequences' lengths. `Engine.prefill/propose/step`
 call them with the engine's own states (`Engine.compile_only`: compile without running, the
 warm-up). The scheduling loop over these programs is `dspark_jax.decode.scheduler.Scheduler`; the engine

@@ -11,7 +11,7 @@ prompt goes in at once, in calls of prompts of like length (`prefill_groups`).
 
 Every program call computes only the rows it needs, padded to a batch bucket (1, 2, 4, ... up to
 the slot count; `batch_bucket`), and its attention reads keys only as far as its longest row
-reaches (`dspark_jax.layers.paged_attention`): one user on an 8-slot server pays for one row, and a
+reaches (`dspark_jax.kernels.paged_attention`): one user on an 8-slot server pays for one row, and a
 short sequence in a long-context server for its own length, with one program for every length. The
 pool and the slots stay as allocated; the rows carry their slot numbers (`Engine.step_fn`'s `rows_B`).
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from dspark_jax.hostinfo import describe_cpu
 from dspark_jax.kernels.dispatch import kernel_mode
-from dspark_jax.layers.paged_attention import key_chunk
+from dspark_jax.kernels.paged_attention import key_chunk
 from dspark_jax.presets import cache_dir
 
 log = logging.getLogger("dspark_jax")

@@ -7,7 +7,7 @@ first); the decode step per batch bucket x speculation length the scheduler can 
 (`Scheduler.reachable_lengths`), greedy and (with `sampled=True`) sampling (sampling settings are
 traced per row, so one sampling program serves every temperature and top_p). No program depends on
 how long the sequences are: attention reads as far as the longest row reaches
-(`dspark_jax.layers.paged_attention`).
+(`dspark_jax.kernels.paged_attention`).
 
 `warm_up` compiles them, cheapest first, through the scheduler's own calls on padding rows (the
 arguments a request's call passes; nothing is written), so they land in the engine's programs

@@ -30,7 +30,7 @@ from dspark_jax.cache import FP8, FP8_SCALE, PagedPool
 from dspark_jax.kernels import common
 from dspark_jax.kernels.common import NEG, cdiv, check_pow2, compiler_params, mm, mm_nt, pad_to, round_up
 from dspark_jax.kernels.mla_reference import masked_softmax, mla_scores_absorbed
-from dspark_jax.layers.paged_attention import paged_attention
+from dspark_jax.kernels.paged_attention import paged_attention
 from dspark_jax.numerics import acc_dtype, einsum_acc, on_cpu
 
 # `auto` dispatch (kernels.dispatch) runs this kernel only from this many keys per sequence (the
@@ -85,7 +85,7 @@ def mla_paged_chunked(q_lat_BTNC: jax.Array, q_rope_BTNR: jax.Array, pages: jax.
                       block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                       causal: bool, row: int | None = None, chunk: int | None = None) -> jax.Array:
     """`mla_paged_reference` read key chunk by key chunk up to the largest limit
-    (`layers.paged_attention`, `chunk` keys a trip; None: its default): what runs where the kernel
+    (`kernels.paged_attention`, `chunk` keys a trip; None: its default): what runs where the kernel
     does not, at a cost that follows the positions rather than the block table's width."""
     pool, r = _pool(pages, block_table_BP, row)
     c, dtype = q_lat_BTNC.shape[-1], q_lat_BTNC.dtype

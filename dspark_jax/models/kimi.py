@@ -235,7 +235,7 @@ def _check_aux_ids(ids: Sequence[int], n_layers: int) -> None:
         raise ValueError(f"aux_layer_ids {bad} outside 0..{n_layers - 1} (0-based decoder layer ids)")
 
 
-def _hf_rename(ckpt_keys: set[str], prefix: str) -> Callable[[str], str]:
+def hf_rename(ckpt_keys: set[str], prefix: str) -> Callable[[str], str]:
     """transformers' `save_pretrained` for Kimi-Linear writes the dense layer-0 MLP under
     `block_sparse_moe.` (its reverse rename maps every `.mlp.`); the released checkpoints use
     `.mlp.`. Accept whichever the checkpoint holds."""
@@ -248,22 +248,3 @@ def _hf_rename(ckpt_keys: set[str], prefix: str) -> Callable[[str], str]:
         return path
 
     return rename
-
-
-def load_kimi(model_dir, *, dtype=None, mesh=None, dtype_policy: str | None = None,
-              progress=None, rules=None) -> KimiLinearModel:
-    """Load a kimi_linear-family target from an HF directory (K3 wrapper or plain layout),
-    tensor by tensor, straight into the mesh's sharding. `dtype` overrides the param dtype of
-    the bf16 weights (float32 for tests); F32/U8 tensors keep their dtype."""
-    from dspark_jax.checkpoint.loader import load_state
-    from dspark_jax.checkpoint.safetensors_io import ShardedCheckpoint
-
-    cfg = KimiConfig.from_json(model_dir)
-    keys = set(ShardedCheckpoint(model_dir).keys())
-    policy = dtype_policy or ("cast" if dtype is not None else "strict")
-    return load_state(
-        lambda: KimiLinearModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)), model_dir, mesh=mesh,
-        rename=_hf_rename(keys, cfg.tensor_prefix), prefix=cfg.tensor_prefix, dtype_policy=policy,
-        # the K3 wrapper also holds the vision tower and projector; MTP layers are not used
-        ignore=(r"^vision_tower\.", r"^mm_projector\.", r"^multi_modal_projector\."),
-        progress=progress, rules=rules)

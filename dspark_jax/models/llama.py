@@ -16,23 +16,18 @@ attention math is in `gqa_attention`; the cache only decides where keys/values a
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
-from dspark_jax import params as params_lib
 from dspark_jax.cache import TargetCaches
-from dspark_jax.checkpoint.loader import Progress, load_state
 from dspark_jax.config import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear, linear_io
 from dspark_jax.layers.mlp import glu
 from dspark_jax.layers.norms import RMSNorm
-from dspark_jax.layers.paged_attention import paged_attention
+from dspark_jax.kernels.paged_attention import paged_attention
 from dspark_jax.layers.rope import RotaryEmbedding
 from dspark_jax.models.target import ForwardOutput, TargetLM
 from dspark_jax.numerics import acc_dtype, einsum_acc, on_cpu
@@ -292,22 +287,3 @@ class LlamaModel(TargetLM):
 
         out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)
         return out, TargetCaches(pool, None), None
-
-
-def _dtype_from_config(name: str):
-    return jnp.dtype(name.removeprefix("torch."))
-
-
-def load_llama(model_dir: str | Path, *, dtype=None, mesh: Mesh | None = None,
-               progress: Progress | None = None, rules=None) -> LlamaModel:
-    """Load an HF-layout llama-family directory (config.json + safetensors, as transformers'
-    `save_pretrained` writes it for Llama, Qwen2, Qwen3 and Mistral). Params take the config's
-    `torch_dtype` unless `dtype` overrides it (then float tensors are converted)."""
-    cfg = LlamaConfig.from_json(Path(model_dir) / "config.json")
-    param_dtype = _dtype_from_config(cfg.dtype) if dtype is None else jnp.dtype(dtype)
-    abstract = params_lib.abstract(lambda: LlamaModel(cfg, dtype=param_dtype, rngs=nnx.Rngs(0)))
-    # some exporters store a copy of the tied table as lm_head.weight; the model reads embed_tokens
-    ignore = [rf"^{re.escape(cfg.tensor_prefix)}lm_head\.weight$"] if cfg.tie_word_embeddings else []
-    return load_state(abstract, model_dir, mesh=mesh, prefix=cfg.tensor_prefix,
-                      dtype_policy="strict" if dtype is None else "cast", ignore=ignore,
-                      progress=progress, rules=rules)

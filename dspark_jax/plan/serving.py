@@ -18,7 +18,7 @@ and compiled:
 - `step`: a one-token step (width 0) of the largest batch bucket;
 - `verify`: a step verifying T drafts (the longest speculation) at that batch.
 Attention reads the pool in key chunks inside a loop as far as the longest row reaches
-(`layers.paged_attention`), so one program serves every length and its buffers do not grow with
+(`kernels.paged_attention`), so one program serves every length and its buffers do not grow with
 the context.
 The rest of the list is counted, with an estimate of its compile time from the compile times
 measured here. The report's peak is the largest of `max(arguments, weights + caches) +
