@@ -88,7 +88,7 @@ def generate(cfg_path: Path, dst: Path) -> None:
 
     from dspark_jax.checkpoint.draft_layout import TORCHSPEC_METADATA, draft_inventory
     from dspark_jax.checkpoint.safetensors_io import header_for
-    from dspark_jax.config import DraftConfig
+    from dspark_jax.config.draft import DraftConfig
 
     cfg = DraftConfig.from_json(cfg_path)
     inv = draft_inventory(cfg)

@@ -198,7 +198,8 @@ def worker_steps(which: str, emit) -> None:
         page = 16
         data["model"] = (f"{Path(ARGS.demo_config).name} (random weights) + draft {ARGS.demo_draft}")
     else:
-        from dspark_jax.config import DraftConfig, KimiConfig
+        from dspark_jax.config.draft import DraftConfig
+        from dspark_jax.config.kimi import KimiConfig
         from dspark_jax.models.dspark import K3DSparkModel
         raw_t, raw_d = k3_slice(ARGS.k3_layers, ARGS.tiny)
         tcfg, dcfg = KimiConfig.from_dict(raw_t, where="k3 slice"), DraftConfig.from_dict(raw_d, where="k3 draft")

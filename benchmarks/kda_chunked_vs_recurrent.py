@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from dspark_jax.config import KimiConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.layers.kda import KimiDeltaAttention
 
 _BATCH = flags.DEFINE_integer("batch", 1, "sequences per call")

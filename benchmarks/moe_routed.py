@@ -9,7 +9,7 @@
    from the routing of random router logits (uniform routing; a skewed router moves pairs
    between devices, not the per-pair cost). The count is analytic: a loop whose trip count is
    data-dependent is invisible to XLA's cost analysis, and the routed path multiplies exactly one
-   row per routed pair (no padding; tests/test_moe.py counts the rows at run time).
+   row per routed pair (no padding; tests/layers/test_moe.py counts the rows at run time).
 3. Why no single `jax.lax.ragged_dot` over all local experts: its FLOPs in XLA's cost analysis
    on this backend for the same rows with `--few` and `--many` groups.
 
@@ -26,7 +26,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from dspark_jax.config import KimiConfig, load_config
+from dspark_jax.config import load_config
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.layers.moe import MoE, route
 from dspark_jax.plan.serving import resolve_config_path
 

@@ -12,7 +12,7 @@ from absl import app, flags, logging
 
 from dspark_jax.checkpoint.draft_convert import convert_draft
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
-from dspark_jax.config import ConfigError
+from dspark_jax.config.keys import ConfigError
 
 _SRC = flags.DEFINE_string("src", None, "Draft directory to read (torch or Orbax layout).", required=True)
 _DST = flags.DEFINE_string("dst", None, "Output directory (must be absent or empty).", required=True)

@@ -15,7 +15,7 @@ from absl import app, flags, logging
 
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.checkpoint.target_io import STORAGE_SHARDS, convert_target
-from dspark_jax.config import ConfigError
+from dspark_jax.config.keys import ConfigError
 
 _SRC = flags.DEFINE_string("src", None, "HF checkpoint directory (config.json + safetensors shards).", required=True)
 _DST = flags.DEFINE_string("dst", None, "Output directory (must be absent or empty).", required=True)

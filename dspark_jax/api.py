@@ -19,7 +19,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.config import ConfigError, DraftConfig, KimiConfig, LlamaConfig, load_config
+from dspark_jax.config import load_config
+from dspark_jax.config.keys import ConfigError
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.llama import LlamaConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.sources import register_source
 

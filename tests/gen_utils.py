@@ -11,7 +11,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import params as params_lib
-from dspark_jax.config import DraftConfig, KimiConfig, LlamaConfig
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.llama import LlamaConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.models.llama import LlamaModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import KimiConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.params import flat_params
 
 D = 32

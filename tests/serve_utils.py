@@ -19,7 +19,8 @@ from flax import nnx
 from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.draft_io import save_torch_draft
 from dspark_jax.checkpoint.safetensors_io import save_arrays
-from dspark_jax.config import DraftConfig, LlamaConfig
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.llama import LlamaConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.llama import LlamaModel
 from tests.gen_utils import randomize

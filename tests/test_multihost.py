@@ -33,7 +33,8 @@ _SCRIPT = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from flax import nnx
     from dspark_jax import sharding
-    from dspark_jax.config import DraftConfig, KimiConfig
+    from dspark_jax.config.draft import DraftConfig
+    from dspark_jax.config.kimi import KimiConfig
     from dspark_jax.models.kimi import KimiLinearModel
     from dspark_jax.train import loss as L, trainer as T
     from dspark_jax.train import batches

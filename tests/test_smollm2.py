@@ -79,5 +79,5 @@ def test_shipped_config_is_the_conversions(smollm2_dir):
     import json
     from pathlib import Path
 
-    shipped = Path(__file__).resolve().parent.parent / "dspark_jax/configs/smollm2-135m.json"
+    shipped = Path(__file__).resolve().parents[1] / "dspark_jax/configs/smollm2-135m.json"
     assert json.loads(shipped.read_text()) == json.loads((Path(smollm2_dir) / "config.json").read_text())

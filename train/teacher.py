@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 
 from dspark_jax.api import load_target
-from dspark_jax.config import DraftConfig, load_config
+from dspark_jax.config import load_config
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.data import answer_cache
 from dspark_jax.presets import resolve_model_path
 from dspark_jax.serving import pair_flags

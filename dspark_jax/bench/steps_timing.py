@@ -25,7 +25,9 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding
-from dspark_jax.config import DraftConfig, LlamaConfig, load_config
+from dspark_jax.config import load_config
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.llama import LlamaConfig
 from dspark_jax.decode.buckets import batch_buckets, pow2
 from dspark_jax.decode.config import EngineConfig, SchedulerConfig
 from dspark_jax.decode.engine import Engine

@@ -69,7 +69,8 @@ from dspark_jax.checkpoint.safetensors_io import (
     header_for,
     save_arrays,
 )
-from dspark_jax.config import ConfigError, DraftConfig
+from dspark_jax.config.keys import ConfigError
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel, vocab_map_arrays
 
 SAFETENSORS_FILE = "model.safetensors"

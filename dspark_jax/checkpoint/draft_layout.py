@@ -15,7 +15,7 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, header_for
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.models.dspark import VOCAB_MAP_DTYPES, K3DSparkModel, VocabMap
 
 EMBED_NAME = "embed_tokens.weight"

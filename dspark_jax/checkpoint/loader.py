@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
-from dspark_jax.config import KimiConfig, LlamaConfig
+from dspark_jax.config.llama import LlamaConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.models.kimi import KimiLinearModel, hf_rename
 from dspark_jax.models.llama import LlamaModel
 

@@ -47,7 +47,8 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint import loader as loader_lib
 from dspark_jax.checkpoint.orbax_io import PARAMS_DIR, flatten, nest, orbax, orbax_context, orbax_leaves, staging
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, ShardedCheckpoint
-from dspark_jax.config import ConfigError, KimiConfig
+from dspark_jax.config.keys import ConfigError
+from dspark_jax.config.kimi import KimiConfig
 
 CONFIG_FILE = "config.json"
 LAYOUT_FILE = "target_layout.json"

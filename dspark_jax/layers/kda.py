@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.config import KimiConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.layers.linear import Linear
 from dspark_jax.numerics import acc_dtype
 from dspark_jax.params import param

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.config import DraftConfig, KimiConfig
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.kernels.mla_reference import mla_attend_absorbed, mla_attend_expanded
 from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.norms import RMSNorm
@@ -151,7 +152,7 @@ class MLAttention(nnx.Module):
             # gate from the layer input, sigmoid rounded to the param dtype, product in that dtype: the
             # reference's bf16 `o * sigmoid(g)` (docs/architecture.md §1.5.4). torch evaluates a bf16 sigmoid in fp32
             # and rounds once; XLA's bf16 logistic rounds after every step (up to 2 bf16 ulps off),
-            # so it is evaluated in fp32 here (tests/test_bf16_casts.py)
+            # so it is evaluated in fp32 here (tests/layers/test_bf16_casts.py)
             g_BTX = self.g_proj(x_BTD)
             o_BTX = o_BTX * jax.nn.sigmoid(g_BTX.astype(acc_dtype(g_BTX))).astype(o_BTX.dtype)
         return self.o_proj(o_BTX)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.config import KimiConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mlp import GLUMLP, glu
 from dspark_jax.layers.mxfp4 import E2M1_CODE_RMS, mxfp4_planes

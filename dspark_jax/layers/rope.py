@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import LlamaRope, RopeScaling, yarn_mscale
+from dspark_jax.config.keys import yarn_mscale
+from dspark_jax.config.draft import RopeScaling
+from dspark_jax.config.llama import LlamaRope
 from dspark_jax.numerics import acc_dtype
 
 

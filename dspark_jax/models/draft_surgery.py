@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import params as params_lib
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel, vocab_map_arrays
 
 

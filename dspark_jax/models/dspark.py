@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.layers.linear import Linear
 from dspark_jax.layers.mla import MLAttention
 from dspark_jax.layers.mlp import GLUMLP

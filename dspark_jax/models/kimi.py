@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.cache import KDAStates, TargetCaches
-from dspark_jax.config import KimiConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.layers.attn_res import attn_res
 from dspark_jax.layers.kda import KDASnapshots, KDAState, KimiDeltaAttention
 from dspark_jax.layers.linear import Embed, Linear

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.cache import TargetCaches
-from dspark_jax.config import LlamaConfig
+from dspark_jax.config.llama import LlamaConfig
 from dspark_jax.layers.linear import Embed, Linear, linear_io
 from dspark_jax.layers.mlp import glu
 from dspark_jax.layers.norms import RMSNorm
@@ -51,8 +51,8 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 
 def gqa_paged_attention(q_BTNH: jax.Array, pool, row: int, num_kv_heads: int,
-                        positions_BT: jax.Array, window: int | None = None,
-                        valid_BT: jax.Array | None = None) -> jax.Array:
+                        positions_BT: jax.Array, valid_BT: jax.Array | None = None, *,
+                        window: int | None = None) -> jax.Array:
     """`gqa_attention` of each query over the pool rows `[k | v]` of `row` at positions up to its
     own (the last `window` of them, with a window), in query tiles and key chunks
     (`paged_attention`) -> [B,T,N,H] in q's dtype. Rows not `valid_BT` (padding) read nothing and
@@ -238,7 +238,7 @@ class LlamaModel(TargetLM):
         [in, out]; with `head`, the lm_head as [D, V]. Concatenating inside a program instead
         costs a copy of every weight per call. Each output column is the same dot product as
         the separate [out, in] projection's, so greedy outputs stay identical to the
-        separate-GEMM path's up to the GEMM's summation order (see tests/test_serving_layout.py)."""
+        separate-GEMM path's up to the GEMM's summation order (see tests/decode/test_serving_layout.py)."""
         def t(w):
             return jnp.asarray(jnp.transpose(w))
 
@@ -281,8 +281,8 @@ class LlamaModel(TargetLM):
             q, k, v = attn.project(x, positions_BT, w)   # [B,T,Nq,Hd], [B,T,Nkv,Hd] x2
             b, t, nkv, _ = k.shape
             pool = pool.write(layer_idx, positions_BT, jnp.concatenate([k, v], -1).reshape(b, t, -1), valid_BT)
-            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT, attn.window,
-                                          valid_BT).reshape(b, t, -1)
+            out_BTF = gqa_paged_attention(q, pool, layer_idx, nkv, positions_BT, valid_BT,
+                                          window=attn.window).reshape(b, t, -1)
             return attn.output(out_BTF, w)
 
         out = self.run(tokens_BT, attention, aux_layer_ids, weights=weights, logits_rows_BR=logits_rows_BR)

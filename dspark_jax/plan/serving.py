@@ -54,7 +54,9 @@ from jax.sharding import PartitionSpec as P
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.cache import TargetCaches
-from dspark_jax.config import DraftConfig, KimiConfig, load_config
+from dspark_jax.config import load_config
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.decode import warmup
 from dspark_jax.decode.config import EngineConfig, SchedulerConfig
 from dspark_jax.models.dspark import K3DSparkModel

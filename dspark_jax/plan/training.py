@@ -31,7 +31,8 @@ from flax import nnx
 
 from dspark_jax import params as params_lib
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.config import DraftConfig, KimiConfig
+from dspark_jax.config.draft import DraftConfig
+from dspark_jax.config.kimi import KimiConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.models.kimi import KimiLinearModel
 from dspark_jax.plan.serving import GIB, ProgramReport, compile_program

@@ -24,7 +24,7 @@ from dspark_jax import sharding as sharding_lib
 from dspark_jax.api import DEFAULT_DRAFT, DEFAULT_TARGET, load_draft, load_target
 from dspark_jax.api import resolve_dtype as api_resolve_dtype
 from dspark_jax.cache import value_dtype
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.decode.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig
 from dspark_jax.decode.engine import pool_geometry
 from dspark_jax.decode.requests import tokenizer_for

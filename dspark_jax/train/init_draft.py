@@ -24,7 +24,7 @@ from flax import nnx
 
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint.draft_io import load_draft
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.models.draft_surgery import add_layers, remap_vocabulary, set_vocab_map
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.presets import resolve_model_path

@@ -26,7 +26,8 @@ from absl import app, flags
 from jax.sharding import Mesh
 
 from dspark_jax import sharding as sharding_lib
-from dspark_jax.config import KimiConfig, LlamaConfig
+from dspark_jax.config.llama import LlamaConfig
+from dspark_jax.config.kimi import KimiConfig
 
 # The teacher in its serving layout: serving's fsdp axis has size 1, so "embed" and "aux" are
 # replicated there; here the training mesh's fsdp axis is the draft's, and the teacher would

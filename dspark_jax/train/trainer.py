@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax import sharding as sharding_lib
 from dspark_jax.checkpoint.draft_io import save_torch_draft
-from dspark_jax.config import DraftConfig
+from dspark_jax.config.draft import DraftConfig
 from dspark_jax.models.dspark import K3DSparkModel
 from dspark_jax.train import loss as loss_lib
 from dspark_jax.train.teacher import TeacherOutputs, frozen_tables, teacher_outputs
