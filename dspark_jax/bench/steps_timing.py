@@ -97,7 +97,7 @@ def run_every_length(eng) -> int:
     same work compiles nothing whichever lengths it picks and whichever bucket its last rows end
     in (a benchmark's untimed pass: which rows finish together, and so the buckets a batch's tail
     steps use, can change from one pass to the next). A bucket whose step costs are not known yet
-    is measured first (`Scheduler.choose_length`). Returns the programs run."""
+    is measured first (`LengthChoice.choose`). Returns the programs run."""
 
 
     shapes: dict[tuple, set] = {}
@@ -109,7 +109,7 @@ def run_every_length(eng) -> int:
         buckets = batch_buckets(max(r for r, _ in met), slots)
         for sampled in sorted({s for _, s in met}):
             for rows in buckets:
-                b.choose_length(rows, sampled=sampled)       # measures the bucket if its costs are unknown
+                b.length_choice.choose(rows, b.max_len, sampled=sampled)    # measures the bucket if its costs are unknown
                 pad = np.full(rows, slots, np.int32)
                 zeros = np.zeros(rows, np.int32)
                 for n in b.lengths:

@@ -331,9 +331,9 @@ def test_max_num_seqs_decodes_a_few_at_a_time_with_the_same_tokens(llama_pair, m
     slots = []
 
     class Recorded(gen.Scheduler):
-        def __init__(self, engine, max_num_seqs, *a, **kw):
-            slots.append(max_num_seqs)
-            super().__init__(engine, max_num_seqs, *a, **kw)
+        def __init__(self, engine, config, *a, **kw):
+            slots.append(config.max_num_seqs)
+            super().__init__(engine, config, *a, **kw)
 
     monkeypatch.setattr(gen, "Scheduler", Recorded)
     whole = generate(target, None, ps, max_new_tokens=20)

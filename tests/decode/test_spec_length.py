@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.bench.steps_timing import CompileClock, run_every_length, run_every_prefill
+from dspark_jax.sampling import GREEDY
 from dspark_jax.decode import warmup
 from dspark_jax.decode.config import EngineConfig, SchedulerConfig
 from dspark_jax.decode.engine import Engine
@@ -225,7 +226,7 @@ def test_untimed_pass_covers_every_batch_bucket_a_tail_can_reach(tmp_path, monke
     b = Scheduler(eng, SchedulerConfig(4, 64))
     b.step_costs.put(4, {0: 1.0, 1: 1.5})                    # only the 4-row bucket known and called
     pad, zeros = np.full(4, 4, np.int32), np.zeros(4, np.int32)
-    b.run_step(pad, zeros, zeros, 0, 0.0, 1.0, length=1)
+    b.run_step(pad, zeros, zeros, 0, GREEDY, length=1)
     assert {(p.rows, p.width, p.given) for p in eng.programs_called} == {(4, None, None)}
     assert run_every_length(eng) == 5                         # rows 1, 2, 4 x lengths 0, 1, less the one called
     assert {(p.rows, p.given) for p in eng.programs_called} == {(r, g) for r in (1, 2, 4) for g in (0, None)}
@@ -240,7 +241,7 @@ def test_untimed_pass_compiles_the_prefills_continuous_batching_can_admit():
     target = tiny_llama(0)
     eng = Engine(target, tiny_draft(target, 1), EngineConfig(num_speculative_tokens=1))
     b = Scheduler(eng, SchedulerConfig(4, 64))
-    b.run_step(np.full(4, 4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), 0, 0.0, 1.0, length=1)
+    b.run_step(np.full(4, 4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), 0, GREEDY, length=1)
     clock = CompileClock()
     assert run_every_prefill(eng, [16, 32]) == 6                  # rows 1, 2, 4 x two prompt buckets
     assert clock.seconds > 0

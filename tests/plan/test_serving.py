@@ -131,7 +131,7 @@ def test_plan_programs_are_the_servers():
     assert lowered.args_info[0][2].shape == tokens.shape
     # the same flags on a server's Scheduler over real (tiny) weights: the same warm-up list
     real = Scheduler(Engine(KimiLinearModel(cfg, rngs=nnx.Rngs(0)), K3DSparkModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)),
-                          TINY_ENGINE), SchedulerConfig(TINY_ENGINE.max_num_seqs, TINY_ENGINE.max_model_len, step_costs=StepCosts(), speculative_length=TINY_ENGINE.speculative_length, max_num_batched_tokens=TINY_ENGINE.max_num_batched_tokens))
+                          TINY_ENGINE), TINY_SCHEDULER.replace(step_costs=StepCosts()))
     assert shapes == warmup.program_shapes(real, sampled=True)
     assert {s.width for s in shapes if s.kind == "step"} == {0, 1, None}      # lengths 0, 1, 3
 
