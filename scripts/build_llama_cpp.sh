@@ -6,7 +6,7 @@
 #   env: LLAMA_CPP_PYTHON_VERSION (0.3.36), JOBS (nproc), PYTHON (.venv/bin/python or python3)
 #
 # The binaries land in OUT_DIR/bin. The build is portable (GGML_NATIVE=OFF) with the x86 extensions
-# this CPU lists in /proc/cpuinfo switched on one by one; AMX stays off because some virtual machines
+# the host CPU lists in /proc/cpuinfo switched on one by one; AMX stays off because some virtual machines
 # list AMX but fault on its instructions (a native build dies with SIGILL in an AMX kernel there).
 #
 # GGUFs of the demo target, from its converted HF safetensors, are made by
