@@ -5,8 +5,9 @@
 #
 #   scripts/convert_gguf.sh [LLAMA_CPP_DIR] [MODEL]     (defaults build/llama.cpp, smollm2-135m)
 #
-# Writes LLAMA_CPP_DIR/gguf/MODEL-{bf16,f16,q8_0}.gguf. Per output type the command is
-#   python convert_hf_to_gguf.py MODEL_DIR --outtype bf16 --outfile LLAMA_CPP_DIR/gguf/MODEL-bf16.gguf
+# Writes LLAMA_CPP_DIR/gguf/NAME-{bf16,f16,q8_0}.gguf, NAME the model directory's name (MODEL: a
+# preset or a directory). Per output type the command is
+#   python convert_hf_to_gguf.py MODEL_DIR --outtype bf16 --outfile LLAMA_CPP_DIR/gguf/NAME-bf16.gguf
 # (Q8_0 is llama.cpp's 8-bit block format: other weights than ours, labelled so in every table.)
 set -euo pipefail
 
@@ -30,7 +31,7 @@ fi
 MODEL_DIR=$("$PYTHON" -c "import sys; from dspark_jax.presets import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$MODEL")
 mkdir -p "$LLAMA_CPP_DIR/gguf"
 for t in bf16 f16 q8_0; do
-  out="$LLAMA_CPP_DIR/gguf/$MODEL-$t.gguf"
+  out="$LLAMA_CPP_DIR/gguf/$(basename "$MODEL_DIR")-$t.gguf"
   echo "$PYTHON $SRC/convert_hf_to_gguf.py $MODEL_DIR --outtype $t --outfile $out"
   # the converter's own gguf-py, which matches it, ahead of any installed gguf package
   PYTHONPATH="$SRC/gguf-py${DEPS:+:$DEPS}${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \

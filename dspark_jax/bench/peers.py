@@ -1,8 +1,9 @@
 """Our decoding beside its peers (`python -m benchmarks.peers`, `benchmarks.gpu_bench`): the
 measurement protocol (alternating rounds, compile-free timed runs, best and median per prompt),
 its table, the CPU's description, and the systems: ours (plain and speculative `generate()`),
-transformers' greedy and prompt-lookup `generate`, llama.cpp's plain and lookup decoding. No
-command-line flags here, so both programs and the tests import it."""
+transformers' greedy and prompt-lookup `generate`, llama-cpp-python's plain and lookup decoding
+(llama.cpp's own binaries: dspark_jax/bench/llama_cpp.py). No command-line flags here, so both
+programs and the tests import it."""
 
 from __future__ import annotations
 
@@ -272,8 +273,9 @@ def ours_systems(model: str, draft_spec: str, dtypes: Sequence[str], wanted: set
     for dt in dtypes:
         target = load_target(model, dtype=jnp.dtype(dt))
         if "ours_plain" in wanted:
+            weights = {"weight_bytes": weight_bytes(target)}
             out.append(System(f"ours_plain:{dt}", "ours, plain", dt, _ours_run(generate, target, None, 0, tokenizer),
-                              counter))
+                              counter, stats=lambda weights=weights: weights))
         if "ours_spec" in wanted:
             # load_draft_spec: the draft in the target's dtype (a bf16 draft beside an f32 target
             # is a mixed-dtype program that some CPUs' oneDNN paths reject)
@@ -284,6 +286,13 @@ def ours_systems(model: str, draft_spec: str, dtypes: Sequence[str], wanted: set
                               stats=lambda stats=stats: _spec_stats(stats), reference=f"ours_plain:{dt}",
                               own_plain=f"ours_plain:{dt}"))
     return out
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters: what plain decoding reads per token (the tied embedding once)."""
+    import jax
+    from flax import nnx
+    return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def _ours_run(generate, target, draft, t, tokenizer, stats=None):
@@ -337,7 +346,8 @@ def _hf_run(torch, model, eos, pld):
 
 def llamacpp_systems(gguf: Path | None, wanted: set[str], lookup: int, eos: Sequence[int], threads: int,
                      n_ctx: int) -> list[System]:
-    labels = {"llamacpp_plain": "llama.cpp, plain", "llamacpp_lookup": f"llama.cpp, prompt lookup ({lookup})"}
+    labels = {"llamacpp_plain": "llama-cpp-python, plain",
+              "llamacpp_lookup": f"llama-cpp-python, prompt lookup ({lookup})"}
     keys = [k for k in ("llamacpp_plain", "llamacpp_lookup") if k in wanted]
     if not keys:
         return []
@@ -357,7 +367,7 @@ def llamacpp_systems(gguf: Path | None, wanted: set[str], lookup: int, eos: Sequ
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if k == "llamacpp_lookup" else None
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                               n_threads_batch=threads, seed=0, verbose=False, draft_model=draft)
-        out.append(System(k, labels[k] + f" [llama-cpp-python {llama_cpp.__version__}]", "gguf",
+        out.append(System(k, labels[k] + f" [{llama_cpp.__version__}]", "gguf",
                           _llamacpp_run(llm, set(eos)), reference="ours_plain:float32",
                           own_plain="llamacpp_plain" if draft is not None else None))
     return out

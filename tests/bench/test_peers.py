@@ -1,7 +1,8 @@
-"""`python -m benchmarks.peers` and its library (dspark_jax/bench/peers.py): the measurement protocol on fake systems (alternation,
+"""`python -m benchmarks.peers` and its libraries (dspark_jax/bench/peers.py, llama_cpp.py): the measurement protocol on fake systems (alternation,
 warm-up, repeating runs that compiled, best/median aggregation, greedy agreement, table, JSON),
 and one short run of the script on the tiny served pair (tests/serve_utils.py) with transformers
-as the peer; llama.cpp is not needed (it is reported unavailable when it cannot run)."""
+as the peer; llama.cpp is not needed (llama-cpp-python is reported unavailable when it cannot run;
+llama-bench is a fake script printing llama-bench's JSON)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspark_jax.bench import peers
+from dspark_jax.bench import llama_cpp, peers
 from tests.serve_utils import write_tiny_draft, write_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,17 +123,156 @@ def test_cpu_info_states_flags():
     assert "bf16 matmul flags" in text and "torch 2" in text
 
 
+def _llama_bench_json(gguf: str, threads: int, n_prompt: int, n_gen: int, tg: float, size: int) -> str:
+    """What llama-bench -o json prints (the fields benchmarks.peers reads, and some it does not)."""
+    tests = []
+    for p, g, ts in ((n_prompt, 0, 7 * tg), (0, n_gen, tg)):
+        tests.append({"build_commit": "0c1e570", "build_number": 1, "cpu_info": "Some CPU", "backends": "CPU",
+                      "model_filename": gguf, "model_type": "llama 256M BF16", "model_size": size,
+                      "model_n_params": size // 2, "n_batch": 2048, "n_threads": threads, "type_k": "f16",
+                      "n_prompt": p, "n_gen": g, "n_depth": 0, "test_time": "2026-01-01T00:00:00Z",
+                      "avg_ns": int(1e9 * (p or g) / ts), "stddev_ns": 1000, "avg_ts": ts, "stddev_ts": 0.5,
+                      "samples_ns": [1, 2, 3], "samples_ts": [ts, ts, ts]})
+    return json.dumps(tests, indent=2)
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import sys
+sys.path.insert(0, {root!r})
+from tests.bench.test_peers import _llama_bench_json
+a = sys.argv[1:]
+opt = dict(zip(a[::2], a[1::2]))
+assert sorted(opt) == ["-m", "-n", "-o", "-p", "-r", "-t"] and opt["-o"] == "json" and opt["-r"] == "3", a
+tg = 100.0 if opt["-m"].endswith("-bf16.gguf") else 250.0
+print(_llama_bench_json(opt["-m"], int(opt["-t"]), int(opt["-p"]), int(opt["-n"]), tg,
+                        1000 if tg == 100.0 else 500))
+"""
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+# llama-server's /health and /completion: the continuation counts up from the prompt's last id,
+# n_predict tokens, or stops on EOS (id 2, left out of "tokens") after 3 when the prompt has id 7
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+a = sys.argv[1:]
+opt = dict(zip(a[::2], a[1::2]))
+assert {{"-m", "-t", "-c", "-np", "--host", "--port"}} <= set(opt) and opt.get("--spec-type", "none") in (
+    "none", "ngram-simple"), a
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def reply(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.reply({{"status": "ok"}})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["temperature"] == 0 and req["cache_prompt"] is False and req["return_tokens"], req
+        eos = 7 in req["prompt"]
+        n = min(3, req["n_predict"]) if eos else req["n_predict"]
+        self.reply({{"tokens": [req["prompt"][-1] + 1 + i for i in range(n)],
+                    "stop_type": "eos" if eos else "limit"}})
+
+
+ThreadingHTTPServer((opt["--host"], int(opt["--port"])), H).serve_forever()
+"""
+
+
+def _fake_binaries(tmp_path, types=("bf16", "q8_0"), model="target") -> Path:
+    lc = tmp_path / "llama.cpp"
+    (lc / "bin").mkdir(parents=True)
+    (lc / "gguf").mkdir()
+    for name, text in (("llama-bench", FAKE_LLAMA_BENCH), ("llama-server", FAKE_LLAMA_SERVER)):
+        (lc / "bin" / name).write_text(text.format(python=sys.executable, root=str(ROOT)))
+        (lc / "bin" / name).chmod(0o755)
+    for t in types:
+        (lc / "gguf" / f"{model}-{t}.gguf").write_bytes(b"GGUF")
+    return lc
+
+
+def test_llama_server_and_streams(tmp_path):
+    lc = _fake_binaries(tmp_path)
+    assert set(llama_cpp.llama_cpp_ggufs(lc, "target")) == {"bf16", "q8_0"}
+    with pytest.raises(FileNotFoundError, match="convert_gguf.sh"):
+        llama_cpp.llama_cpp_ggufs(lc, "other")
+    with pytest.raises(FileNotFoundError, match="build_llama_cpp.sh"):
+        llama_cpp.binary(lc, "llama-cli")
+    srv_bin = llama_cpp.binary(lc, "llama-server")
+    with llama_cpp.LlamaServer(srv_bin, lc / "gguf" / "target-bf16.gguf", 1, 64) as a, \
+            llama_cpp.LlamaServer(srv_bin, lc / "gguf" / "target-bf16.gguf", 1, 64, spec_type="ngram-simple") as b:
+        assert a.port != b.port and "--spec-type" not in a.command and b.command[-2:] == ["--spec-type",
+                                                                                            "ngram-simple"]
+        assert a.complete([5, 10], 4, eos=[2]) == [11, 12, 13, 14]
+        assert a.complete([7, 10], 8, eos=[2]) == [11, 12, 13, 2]       # stopped on EOS: appended
+        systems = llama_cpp.server_systems({("bf16", "none"): a, ("bf16", "ngram-simple"): b}, [2], "ours_plain:x")
+        assert [s.key for s in systems] == ["lcpp_server:bf16", "lcpp_server_ngram-simple:bf16"]
+        assert systems[1].own_plain == "lcpp_server:bf16" and systems[0].own_plain is None
+        assert systems[1].run([1], 2) == [2, 3] and systems[0].dtype == "gguf-bf16"
+        res = llama_cpp.best_of(lambda: llama_cpp.concurrent_streams(lambda ids, n: a.complete(ids, n, [2]),
+                                                                      [[1], [7, 20], [30]], 5), rounds=2)
+        assert res["output_token_ids"] == [[2, 3, 4, 5, 6], [21, 22, 23, 2], [31, 32, 33, 34, 35]]
+        assert res["streams"] == 3 and res["generated_tokens"] == 14 and len(res["seconds"]) == 2
+    assert a.proc.poll() is not None and b.proc.poll() is not None      # ended on exit
+    dead = llama_cpp.LlamaServer(lc / "bin" / "llama-bench", lc / "gguf" / "target-bf16.gguf", 1, 64)
+    with pytest.raises(RuntimeError, match="exited with"):
+        dead.__enter__()
+
+
+def test_parse_llama_bench_and_rows():
+    res = llama_cpp.parse_llama_bench(_llama_bench_json("m.gguf", 2, 512, 128, 100.0, 2_000_000_000), "m.gguf")
+    assert res["tg"] == {"tokens": 128, "tokens_per_s": 100.0, "stddev": 0.5, "samples": [100.0] * 3}
+    assert res["pp"]["tokens"] == 512 and res["pp"]["tokens_per_s"] == 700.0
+    assert res["model_size_bytes"] == 2_000_000_000 and res["n_threads"] == 2
+    q8 = llama_cpp.parse_llama_bench(_llama_bench_json("q.gguf", 2, 0, 128, 160.0, 1_000_000_000), "q.gguf")
+    assert "pp" not in q8                                  # -p 0: generation only
+    ours = [{"system": "ours_plain:bfloat16", "label": "ours, plain", "dtype": "bfloat16", "prompts": 2,
+             "max_new_tokens": 16, "tokens_per_s_best": 50.0, "weight_bytes": 3_000_000_000},
+            {"system": "ours_spec:bfloat16", "label": "ours, speculative (T=7)", "dtype": "bfloat16", "prompts": 2,
+             "max_new_tokens": 16, "tokens_per_s_best": 120.0, "tok_per_fwd": 2.5},
+            {"system": "hf_greedy:bfloat16", "label": "transformers", "dtype": "bfloat16", "prompts": 2,
+             "max_new_tokens": 16, "tokens_per_s_best": 10.0}]
+    rows = {r["system"]: r for r in llama_cpp.llama_cpp_rows({"bf16": res, "q8_0": q8}, ours)}
+    assert set(rows) == {"llama.cpp:bf16", "llama.cpp:q8_0", "ours_plain:bfloat16", "ours_spec:bfloat16"}
+    assert rows["llama.cpp:bf16"]["effective_gb_per_s"] == pytest.approx(200.0)
+    assert rows["llama.cpp:q8_0"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(1.6)
+    assert rows["ours_plain:bfloat16"]["effective_gb_per_s"] == pytest.approx(150.0)
+    assert rows["ours_plain:bfloat16"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(0.5)
+    assert rows["ours_spec:bfloat16"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(1.2)
+    assert "effective_gb_per_s" not in rows["ours_spec:bfloat16"]
+    table = llama_cpp.llama_cpp_table(list(rows.values()))
+    assert "| llama.cpp llama-bench, plain | Q8_0 (other weights: 8-bit blocks) GGUF | 1 | 160.0 ± 0.5 (tg128) |" in table
+    assert "| ours, plain | bf16 | 1 | 50.0 (2 prompts x 16) |  | 150.0 | 0.50x |  |" in table
+    no_tg = _llama_bench_json("m", 1, 512, 0, 1.0, 1)      # a prompt test only
+    for bad, msg in (("not json", "not JSON"), ("[]", "non-empty list"), ('[{"n_gen": 1}]', "lacks model_type"),
+                     (no_tg, "no generation test")):
+        with pytest.raises(ValueError, match=msg):
+            llama_cpp.parse_llama_bench(bad, "x.gguf")
+
+
 def test_peers_script_on_tiny_pair(tmp_path, smollm2_dir):
     """The script end to end on a tiny random Llama (SmolLM2's tokenizer and chat template) and a
-    tiny draft: ours plain/spec and transformers greedy/prompt lookup, f32, one prompt, 4 tokens."""
+    tiny draft: ours plain/spec and transformers greedy/prompt lookup, f32, one prompt, 4 tokens;
+    llama.cpp through a fake llama-bench on two GGUF names and a fake llama-server (plain, n-gram,
+    2 slots)."""
     pytest.importorskip("transformers")
     target = write_tiny_target(tmp_path / "target", Path(smollm2_dir))
     draft = write_tiny_draft(tmp_path / "draft")
+    lc = _fake_binaries(tmp_path)
     out = tmp_path / "peers.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.peers", "--model", str(target), "--draft_model", str(draft),
          "--num_prompts", "1", "--max_new_tokens", "4", "--warmup_tokens", "2", "--rounds", "1",
-         "--dtypes", "float32", "--num_speculative_tokens", "3", "--threads", "1",
+         "--dtypes", "float32", "--num_speculative_tokens", "3", "--threads", "1", "--llama_cpp_dir", str(lc),
+         "--llama_server_weights", "bf16", "--llama_server_slots", "2",
          "--systems", "ours_plain,ours_spec,hf_greedy,hf_pld,llamacpp_plain", "--output_json", str(out)],
         check=False, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""),
         timeout=600)
@@ -142,7 +282,10 @@ def test_peers_script_on_tiny_pair(tmp_path, smollm2_dir):
     res = json.loads(out.read_text())
     rows = {r["system"]: r for r in res["systems"]}
     assert set(rows) == {"ours_plain:float32", "ours_spec:float32", "hf_greedy:float32", "hf_pld:float32",
-                         "llamacpp_plain"}
+                         "llamacpp_plain", "lcpp_server:bf16", "lcpp_server_ngram-simple:bf16"}
+    # the fake server's outputs are not the model's: counted against ours plain, not asserted
+    assert rows["lcpp_server:bf16"]["compared_prompts"] == 1 and rows["lcpp_server:bf16"]["generated_tokens"] == 4
+    assert rows["lcpp_server_ngram-simple:bf16"]["identical_to_own_plain"] == 1
     # no GGUF for a directory model: llama.cpp is listed as unavailable, with the reason
     assert "unavailable" in rows["llamacpp_plain"]
     for key in ("ours_plain:float32", "ours_spec:float32", "hf_greedy:float32", "hf_pld:float32"):
@@ -150,3 +293,19 @@ def test_peers_script_on_tiny_pair(tmp_path, smollm2_dir):
     assert rows["ours_spec:float32"]["identical_to_reference"] == 1 and res["speculative_equals_plain"]
     assert rows["ours_spec:float32"]["tok_per_fwd"] >= 1.0
     assert res["baseline"] == "ours_plain:float32" and res["prompts"]["count"] == 1
+    lc_rows = {r["system"]: r for r in res["llama_cpp"]}
+    assert set(lc_rows) == {"llama.cpp:bf16", "llama.cpp:q8_0", "ours_plain:float32", "ours_spec:float32",
+                            "lcpp_server:bf16", "lcpp_server_ngram-simple:bf16", "lcpp_server_np2:bf16",
+                            "ours_plain_batch2:bfloat16"}
+    assert lc_rows["lcpp_server:bf16"]["weight_bytes"] == 1000 and lc_rows["lcpp_server_np2:bf16"]["batch"] == 2
+    assert lc_rows["lcpp_server_np2:bf16"]["generated_tokens"] == 8 and "-np 2" in lc_rows["lcpp_server_np2:bf16"][
+        "command"]
+    assert lc_rows["ours_plain_batch2:bfloat16"]["streams"] == 2
+    assert lc_rows["llama.cpp:bf16"]["tg_tokens_per_s"] == 100.0 and lc_rows["llama.cpp:bf16"]["pp_tokens"] == 512
+    assert lc_rows["llama.cpp:q8_0"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(2.5)
+    assert "-t 1 -p 512 -n 128 -r 3 -o json" in lc_rows["llama.cpp:bf16"]["command"]
+    plain = lc_rows["ours_plain:float32"]
+    assert plain["weight_bytes"] > 0 and plain["effective_gb_per_s"] == pytest.approx(
+        plain["weight_bytes"] * rows["ours_plain:float32"]["tokens_per_s_best"] / 1e9)
+    assert "| llama.cpp llama-bench, plain | BF16 GGUF | 1 | 100.0 ± 0.5 (tg128) | 700 (pp512) | 0.0 | 1.00x |" \
+        in proc.stdout
