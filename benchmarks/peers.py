@@ -144,6 +144,7 @@ def main(argv):
     from dspark_jax import presets
     from dspark_jax.data.eval_sets import load_gsm8k
     from dspark_jax.decode.requests import encode_prompt
+    from dspark_jax.hostinfo import read_bandwidth_gb_s
     from dspark_jax.tokenizer import load_tokenizer
 
     model_dir = presets.resolve_model_path(_MODEL.value)
@@ -205,6 +206,11 @@ def main(argv):
     info["threads"] = _thread_settings(threads, systems)
     print(describe_cpu(info), flush=True)
 
+    # the ceiling of batch-1 decoding: every weight read once per token (an array of the weights' size)
+    size = max((b for s in systems if s.stats and (b := s.stats().get("weight_bytes"))), default=256 << 20)
+    info["read_bandwidth_gb_s"] = round(read_bandwidth_gb_s(size, threads), 1)
+    print(f"read bandwidth: {info['read_bandwidth_gb_s']} GB/s (sum of a {size / 1e6:.0f} MB array, {threads} "
+          f"threads, best of 5)", flush=True)
     t0, load0 = time.perf_counter(), os.getloadavg()
     with servers:
         records = measure(systems, prompts, _NEW.value, _ROUNDS.value, warmup_tokens=_WARMUP.value)
@@ -236,7 +242,7 @@ def main(argv):
     print(markdown_table(rows, base_label))
     if bad:
         print(f"\nWARNING: speculative output differs from plain output (same dtype) for {', '.join(bad)}")
-    lc_rows = llama_cpp.llama_cpp_rows(bench, rows, streams) if bench else []
+    lc_rows = llama_cpp.llama_cpp_rows(bench, rows, streams, info.get("read_bandwidth_gb_s")) if bench else []
     if lc_rows:
         print(f"\n## llama.cpp beside ours, temperature 0\n")
         print(f"llama-bench: {next(iter(bench.values()))['command']} (per GGUF; build "

@@ -50,3 +50,28 @@ def describe_cpu() -> str:
     bf16 = "AVX-512 BF16" if "avx512_bf16" in flags else "no AVX-512 BF16"
     amx = "AMX" if any(f.startswith("amx") for f in flags) else "no AMX"
     return f"{model}, {cores} cores, {bf16}, {amx}"
+
+
+def read_bandwidth_gb_s(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 5) -> float:
+    """Memory read bandwidth in GB/s: the best of `repeats` sums of an `nbytes` float32 array (far
+    beyond any cache), split over `threads` threads (default: the usable CPUs; numpy releases the
+    GIL in the reduction). The ceiling a batch-1 decoding step that reads every weight once can
+    approach: tok/s <= bandwidth / weight bytes."""
+    import threading
+    import time
+
+    import numpy as np
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    data = np.ones(max(nbytes // 4, threads), np.float32)    # written once: every page is resident
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t0)
+    return data.nbytes / best / 1e9

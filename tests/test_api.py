@@ -62,3 +62,12 @@ def test_a_cpu_model_without_a_number_is_told_apart_by_family_and_model():
     assert parse_cpuinfo(named) == ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", ("avx512_bf16", "amx_bf16",
                                                                                       "amx_tile"))
     assert parse_cpuinfo("") == ("unknown CPU", ())
+
+
+def test_read_bandwidth_probe_is_in_gb_per_s():
+    """The probe sums an array and reports GB/s: any real memory system lies between 0.1 and 10,000
+    (a bytes/s or MB/s slip lands outside); one thread and two both run."""
+    from dspark_jax.hostinfo import read_bandwidth_gb_s
+
+    for threads in (1, 2):
+        assert 0.1 < read_bandwidth_gb_s(8 << 20, threads=threads, repeats=2) < 10_000

@@ -215,10 +215,11 @@ def best_of(run: Callable[[], tuple[float, list[list[int]]]], rounds: int) -> di
 # the table beside ours
 
 def llama_cpp_rows(bench: dict[str, dict[str, Any]], ours_rows: Sequence[dict[str, Any]],
-                   streams: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+                   streams: Sequence[dict[str, Any]] = (), bandwidth_gb_s: float | None = None
+                   ) -> list[dict[str, Any]]:
     """llama-bench's rows (per GGUF type), our and llama-server's rows at batch 1 (from summarize)
     and the many-stream rows in one list: tokens/s, effective GB/s for plain decoding (weight bytes
-    x tokens/s), ratio to llama.cpp BF16 tg."""
+    x tokens/s) and its fraction of the measured read bandwidth, ratio to llama.cpp BF16 tg."""
     base = bench.get("bf16", {}).get("tg", {}).get("tokens_per_s")
     rows = []
     for t, b in bench.items():
@@ -254,11 +255,13 @@ def llama_cpp_rows(bench: dict[str, dict[str, Any]], ours_rows: Sequence[dict[st
         tps = row.get("tg_tokens_per_s", row.get("decode_tokens_per_s"))
         if base:
             row["ratio_vs_llama_cpp_bf16_tg"] = tps / base
+        if bandwidth_gb_s and "effective_gb_per_s" in row:
+            row["bandwidth_fraction"] = row["effective_gb_per_s"] / bandwidth_gb_s
     return rows
 
 
 def llama_cpp_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| system | weights | batch | decoding tok/s | prompt tok/s | effective GB/s | "
+    lines = ["| system | weights | batch | decoding tok/s | prompt tok/s | effective GB/s (of read bandwidth) | "
              "vs llama.cpp BF16 tg | tok/fwd |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "tg_tokens_per_s" in r:
@@ -268,6 +271,8 @@ def llama_cpp_table(rows: Sequence[dict[str, Any]]) -> str:
             dec = f"{r['decode_tokens_per_s']:.1f} ({r['prompts']} prompts x {r['max_new_tokens']})"
             pp = ""
         gbs = f"{r['effective_gb_per_s']:.1f}" if "effective_gb_per_s" in r else ""
+        if "bandwidth_fraction" in r:
+            gbs += f" ({100 * r['bandwidth_fraction']:.0f}%)"
         ratio = f"{r['ratio_vs_llama_cpp_bf16_tg']:.2f}x" if "ratio_vs_llama_cpp_bf16_tg" in r else "n/a"
         tpf = f"{r['tok_per_fwd']:.2f}" if "tok_per_fwd" in r else ""
         lines.append(f"| {r['label']} | {r['weights']} | {r['batch']} | {dec} | {pp} | {gbs} | {ratio} | {tpf} |")
