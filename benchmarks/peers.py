@@ -238,7 +238,7 @@ def main(argv):
     print(describe_cpu(info) + "\n")
     print("tok/s = generated tokens (EOS included) / end-to-end seconds per prompt (prefill included), summed "
           "over the prompts; ratios only between rows of the same prompts x max tokens; greedy outputs "
-          "compared with ours plain of the same dtype (llama.cpp: f32).\n")
+          "compared with ours plain of the same dtype (llama-cpp-python: f32; llama-server: bf16, else f32).\n")
     print(markdown_table(rows, base_label))
     if bad:
         print(f"\nWARNING: speculative output differs from plain output (same dtype) for {', '.join(bad)}")
