@@ -248,6 +248,9 @@ def test_parse_llama_bench_and_rows():
     assert rows["ours_plain:bfloat16"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(0.5)
     assert rows["ours_spec:bfloat16"]["ratio_vs_llama_cpp_bf16_tg"] == pytest.approx(1.2)
     assert "effective_gb_per_s" not in rows["ours_spec:bfloat16"]
+    with_bw = {r["system"]: r for r in llama_cpp.llama_cpp_rows({"bf16": res}, ours, bandwidth_gb_s=400.0)}
+    assert with_bw["llama.cpp:bf16"]["bandwidth_fraction"] == pytest.approx(0.5)
+    assert "bandwidth_fraction" not in with_bw["ours_spec:bfloat16"]
     table = llama_cpp.llama_cpp_table(list(rows.values()))
     assert "| llama.cpp llama-bench, plain | Q8_0 (other weights: 8-bit blocks) GGUF | 1 | 160.0 ± 0.5 (tg128) |" in table
     assert "| ours, plain | bf16 | 1 | 50.0 (2 prompts x 16) |  | 150.0 | 0.50x |  |" in table
@@ -307,5 +310,5 @@ def test_peers_script_on_tiny_pair(tmp_path, smollm2_dir):
     plain = lc_rows["ours_plain:float32"]
     assert plain["weight_bytes"] > 0 and plain["effective_gb_per_s"] == pytest.approx(
         plain["weight_bytes"] * rows["ours_plain:float32"]["tokens_per_s_best"] / 1e9)
-    assert "| llama.cpp llama-bench, plain | BF16 GGUF | 1 | 100.0 ± 0.5 (tg128) | 700 (pp512) | 0.0 | 1.00x |" \
+    assert "| llama.cpp llama-bench, plain | BF16 GGUF | 1 | 100.0 ± 0.5 (tg128) | 700 (pp512) | 0.0 (0%) | 1.00x |" \
         in proc.stdout
