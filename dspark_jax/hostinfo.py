@@ -1,12 +1,17 @@
 """What the host is, in words a measured figure and a start-up log can carry: the CPU model, its
-core count and the instruction-set flags that decide how fast XLA:CPU runs bf16 GEMMs."""
+core count, the instruction-set flags that decide how fast XLA:CPU runs bf16 GEMMs, and the memory
+read bandwidth that bounds batch-1 decoding."""
 
 from __future__ import annotations
 
 import functools
 import os
 import re
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 # flags that change what XLA:CPU can do with bf16 and int8 products
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
@@ -57,10 +62,6 @@ def read_bandwidth_gb_s(nbytes: int = 1 << 30, threads: int | None = None, repea
     beyond any cache), split over `threads` threads (default: the usable CPUs; numpy releases the
     GIL in the reduction). The ceiling a batch-1 decoding step that reads every weight once can
     approach: tok/s <= bandwidth / weight bytes."""
-    import threading
-    import time
-
-    import numpy as np
     if threads is None:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     data = np.ones(max(nbytes // 4, threads), np.float32)    # written once: every page is resident
